@@ -1,0 +1,171 @@
+"""Replay a conversation on a fresh in-process vLLM engine and record it.
+
+``--mode hit`` replays with normal prefix caching; ``--mode cold`` gives
+every request a unique ``cache_salt`` (prefix caching stays on, so block
+size, mamba cache mode and chunking are those of the hit run, but nothing
+is reused). ``--replay exact`` schedules one block per step
+(``max_num_batched_tokens`` = the engine's actual block size, read from the
+engine config after vLLM raised it for hybrids), so a fault-free hit run
+and its cold run chunk every prefill at the same token boundaries and are
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from statediff.conversation import Turn
+from statediff.errors import StatediffError
+
+from ..recorder import RecorderConfig
+from . import plugin
+
+# In-process engine core: start ~2 s instead of ~15 s on CPU, and the recorder
+# lives in this process so it can be closed deterministically.
+# VLLM_CPU_KVCACHE_SPACE (GiB) only matters to CPU builds; the default would
+# reserve most of the machine's memory. A user's own setting wins.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+              "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    """What a replay produced (tokens per request, hit lengths, trace stats)."""
+
+    trace: str
+    block_size: int
+    max_num_batched_tokens: int | None
+    num_cached_tokens: list[int]
+    output_token_ids: list[list[int]]
+    stats: dict
+    seconds: float
+
+
+def engine_kwargs(model: str, *, dtype: str = "bfloat16", block_size: int | None = None,
+                  max_model_len: int | None = None, enforce_eager: bool = False,
+                  seed: int = 0, max_num_batched_tokens: int | None = None,
+                  extra: dict | None = None) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (prefix caching always on)."""
+    kw: dict[str, Any] = {"model": model, "dtype": dtype, "enable_prefix_caching": True,
+                          "enforce_eager": enforce_eager, "seed": seed}
+    if block_size:
+        kw["block_size"] = block_size
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+    kw.update(extra or {})
+    return kw
+
+
+def actual_block_size(kw: dict) -> int:
+    """Block size vLLM will really use (hybrids raise it so a page holds a mamba state).
+
+    Builds the engine config without starting an engine.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(**kw).create_engine_config()
+    return int(cfg.cache_config.block_size)
+
+
+def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
+    """Token ids per turn; chat turns go through the model's chat template."""
+    tok = None
+    out = []
+    for t in turns:
+        if t.prompt_token_ids is not None:
+            out.append(list(t.prompt_token_ids))
+            continue
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(model)
+        ids = tok.apply_chat_template(t.messages, tools=t.tools, add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        out.append([int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)])
+    return out
+
+
+def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = False,
+           fault: str = "", kv: str = "all", overwrite: bool = False,
+           progress: bool = True, run_extra: dict | None = None) -> ReplayResult:
+    """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
+
+    Raises:
+        StatediffError: bad mode, the engine refused to start (message from vLLM),
+            or a known engine limitation (e.g. hybrid + speculative decoding on CPU).
+    """
+    import time
+
+    from statediff.trace.writer import check_writable
+
+    if mode not in ("hit", "cold"):
+        raise StatediffError(f"--mode must be 'hit' or 'cold', not {mode!r}")
+    check_writable(Path(trace), overwrite=overwrite)
+    for key, val in ENGINE_ENV.items():
+        os.environ.setdefault(key, val)
+    kw = dict(kw)
+    if exact:
+        kw["max_num_batched_tokens"] = actual_block_size(kw)
+    prompts = render_prompts(turns, kw["model"])
+    conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    cfg = RecorderConfig(
+        trace=trace, mode=mode, replay="exact" if exact else "default", kv=kv,
+        fault=None, overwrite=overwrite,
+        run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
+                   "num_requests": len(turns), **(run_extra or {})},
+    )
+    env = cfg.to_env()
+    for key in [k for k in os.environ if k.startswith("STATEDIFF_") and k != "STATEDIFF_DEBUG"]:
+        del os.environ[key]  # nothing from an earlier replay in this process may leak in
+    if fault:
+        env["STATEDIFF_FAULT"] = fault
+    os.environ.update(env)
+    plugin.reset()
+    plugin.register()
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kw)
+    except StatediffError:
+        raise
+    except plugin.UnsupportedEngine as e:
+        raise StatediffError(str(e)) from None
+    except Exception as e:  # vLLM raises many types for bad engine arguments
+        raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    salt_base = uuid.uuid4().hex[:12]
+    cached, outputs = [], []
+    bar = _progress(len(turns), progress, f"record {mode}")
+    for i, (turn, ids) in enumerate(zip(turns, prompts)):
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if mode == "cold":
+            prompt["cache_salt"] = f"statediff-cold-{salt_base}-{i}"
+        sp = SamplingParams(**{k: v for k, v in turn.sampling.items()})
+        res = llm.generate([prompt], sp, use_tqdm=False)[0]
+        cached.append(int(res.num_cached_tokens or 0))
+        outputs.append([int(t) for t in res.outputs[0].token_ids])
+        bar.update(1)
+    bar.close()
+    block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    stats = plugin.close()
+    if stats.get("error"):
+        raise StatediffError(f"recording failed: {stats['error']}")
+    del llm
+    return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=kw.get("max_num_batched_tokens"),
+                        num_cached_tokens=cached, output_token_ids=outputs, stats=stats,
+                        seconds=time.perf_counter() - t0)
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)

@@ -1,0 +1,213 @@
+"""Trace format v1: names, record layout and limits. No I/O here.
+
+The normative description is ``docs/trace-format.md``; this module is its
+executable form. Everything in a trace is plain data: fixed-size numeric
+and byte-string fields, UTF-8 JSON text in attributes, chunked numeric
+datasets. Nothing in it is executed or unpickled on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "statediff.trace"
+FORMAT_VERSION = 1
+
+# Tensor kinds, in causal order within one (request, position, layer).
+KINDS = (
+    "gdn.conv_state",
+    "gdn.ssm_state",
+    "attn.k",
+    "attn.v",
+    "hidden",
+    "drafter.input",
+    "drafter.logits",
+)
+KIND_RANK = {k: i for i, k in enumerate(KINDS)}
+
+# How a tensor was obtained.
+ROLES = (
+    "checkpoint",  # state the engine checkpointed after computing `position` tokens
+    "resumed",  # state a cache hit resumed from, read as the kernel consumes it
+    "kv_block",  # the K or V rows of one KV-cache block, tokens [token_start, position)
+    "activation",  # eager-mode forward-hook output (perturbs numerics; opt-in)
+    "drafter",  # input handed to a speculative drafter
+)
+
+MAX_NDIM = 8
+ZSTD_FILTER_ID = 32015  # registered HDF5 filter id for Zstandard (hdf5plugin)
+
+# Reader limits (docs/trace-format.md, "Limits"): a crafted file must not make
+# the reader allocate or loop without bound. Every one is checked before the
+# allocation it guards.
+MAX_JSON_BYTES = 16 * 1024 * 1024  # one JSON attribute
+MAX_INDEX_ROWS = 1 << 22  # rows of /index (~1.5 GB at 353 bytes a row)
+MAX_REQUESTS = 1_000_000
+MAX_TOKENS_PER_REQUEST = 16_000_000
+MAX_CHUNK_BYTES = 64 * 1024 * 1024  # decoded size of one chunk (the writer uses ~1 MiB)
+MAX_CHUNKS = 1 << 16  # chunks of one dataset
+MAX_UNCHUNKED_BYTES = 256 * 1024 * 1024  # an unchunked dataset (also bounded by the file size)
+MAX_DECLARED_BYTES = 1 << 40  # a tensor whose index row declares more is refused at open
+MAX_SEGMENTS = 10_000_000  # segment files of a parts directory
+
+# One row of /index per recorded tensor. Fixed-size fields only.
+INDEX_DTYPE = np.dtype(
+    [
+        ("request", "<i4"),
+        ("position", "<i8"),  # absolute tokens the tensor summarises (end of block for K/V)
+        ("layer", "<i4"),
+        ("kind", "S24"),
+        ("role", "S16"),
+        ("module", "S96"),
+        ("token_start", "<i8"),  # first token covered (K/V blocks); == position for states
+        ("step", "<i4"),  # engine step that produced it (informational; never aligned on)
+        ("block", "<i4"),  # engine block id it was read from, -1 if none
+        ("dataset", "S32"),  # name under /tensors
+        ("dtype", "S16"),  # logical dtype
+        ("ndim", "<i1"),
+        ("shape", "<i8", (MAX_NDIM,)),
+        ("hash", "S32"),  # blake2b-128 hex of the stored bytes (C order)
+        ("sum", "<f8"),  # float64 moments of the decoded finite values
+        ("sumsq", "<f8"),
+        ("min", "<f8"),
+        ("max", "<f8"),
+        ("n_nan", "<i8"),
+        ("n_inf", "<i8"),
+    ]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One recorded tensor as listed in the trace index.
+
+    ``position`` is the number of tokens of the request the tensor
+    summarises (a GDN state after ``position`` tokens; a K/V block covering
+    tokens ``[token_start, position)``). ``shape`` and ``dtype`` are logical;
+    the stored array has the storage dtype of ``statediff.dtypes.STORAGE``.
+    """
+
+    request: int
+    position: int
+    layer: int
+    kind: str
+    role: str
+    module: str
+    token_start: int
+    step: int
+    block: int
+    dataset: str
+    dtype: str
+    shape: tuple[int, ...]
+    hash: str
+    sum: float
+    sumsq: float
+    min: float
+    max: float
+    n_nan: int
+    n_inf: int
+
+    @property
+    def key(self) -> tuple[int, int, int, str]:
+        """Alignment key: (request, absolute token position, layer, kind)."""
+        return (self.request, self.position, self.layer, self.kind)
+
+    @property
+    def causal_order(self) -> tuple[int, int, int, int]:
+        """Sort key: request, then position, then layer, then kind."""
+        return (self.request, self.position, self.layer, KIND_RANK.get(self.kind, 99))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def label(self) -> str:
+        return (
+            f"request {self.request} position {self.position} "
+            f"layer {self.layer} ({self.module}) {self.kind}"
+        )
+
+    def to_row(self) -> tuple:
+        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
+        return (
+            self.request, self.position, self.layer, self.kind.encode(), self.role.encode(),
+            self.module.encode()[:96], self.token_start, self.step, self.block,
+            self.dataset.encode(), self.dtype.encode(), len(self.shape), shape,
+            self.hash.encode(), self.sum, self.sumsq, self.min, self.max,
+            self.n_nan, self.n_inf,
+        )
+
+    @classmethod
+    def from_row(cls, row: np.void) -> "TensorEntry":
+        ndim = int(row["ndim"])
+        return cls(
+            request=int(row["request"]),
+            position=int(row["position"]),
+            layer=int(row["layer"]),
+            kind=row["kind"].decode("ascii", "replace"),
+            role=row["role"].decode("ascii", "replace"),
+            module=row["module"].decode("utf-8", "replace"),
+            token_start=int(row["token_start"]),
+            step=int(row["step"]),
+            block=int(row["block"]),
+            dataset=row["dataset"].decode("ascii", "replace"),
+            dtype=row["dtype"].decode("ascii", "replace"),
+            shape=tuple(int(d) for d in row["shape"][: max(0, min(ndim, MAX_NDIM))]),
+            hash=row["hash"].decode("ascii", "replace"),
+            sum=float(row["sum"]),
+            sumsq=float(row["sumsq"]),
+            min=float(row["min"]),
+            max=float(row["max"]),
+            n_nan=int(row["n_nan"]),
+            n_inf=int(row["n_inf"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
+# Run metadata keys. Unknown values are stored as null, never omitted, so
+# reports can say "unknown" (docs/trace-format.md lists their meaning).
+RUN_KEYS = (
+    "engine",  # "vllm", "transformers", "synthetic"
+    "engine_version",
+    "engine_commit",
+    "runner",  # adapter name, e.g. "vllm-v1-gpu_model_runner"
+    "model",  # path or hub id
+    "architecture",
+    "config_digest",  # sha256 of the model's config.json, canonical JSON
+    "dtype",
+    "quantization",
+    "block_size",  # tokens per KV-cache block, after engine adjustment
+    "mamba_block_size",
+    "mamba_cache_mode",  # "align", "all", "none"
+    "prefix_caching",
+    "mode",  # "hit" or "cold"
+    "cold_policy",  # "cache_salt" or null
+    "replay",  # "default" or "exact"
+    "max_num_batched_tokens",
+    "speculative_method",
+    "num_speculative_tokens",
+    "seed",
+    "sampling",
+    "layers",  # list of {"layer", "module", "type"}
+    "fault",  # planted fault description or null
+    "capture",  # what was captured: {"kv": ..., "activations": bool}
+    "statediff_version",
+    "created_unix",
+)
+
+# Keys that must agree for two traces to be comparable.
+IDENTITY_KEYS = ("architecture", "config_digest", "dtype", "quantization", "block_size")
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON text (sorted keys, no NaN) used for digests and attributes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, default=str)
