@@ -81,7 +81,7 @@ def record(conversation, output, mode, exact, model, dtype, block_size, max_mode
     To record an unmodified program instead (an LLM(...) script or `vllm serve`),
     install statediff next to vLLM and set STATEDIFF_TRACE=path.h5 in its environment.
     """
-    from ..faults import parse_fault
+    from .faults import parse_fault
     from .demo import demo_conversation
     from .vllm.replay import engine_kwargs, replay
 

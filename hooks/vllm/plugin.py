@@ -182,6 +182,16 @@ def close() -> dict:
     return stats
 
 
+def annotate_request(index: int, **fields: Any) -> None:
+    """Add front-end facts (e.g. sampled-token logprobs) to a recorded request.
+
+    Only meaningful when the engine runs in this process (the replay path).
+    """
+    rec = _state["recorder"]
+    if rec is not None and not rec.closed and index in rec.writer.requests:
+        rec.writer.update_request(index, **fields)
+
+
 def reset() -> None:
     """Forget this process's capture (a new engine in the same process records anew)."""
     _state.update(capture=None, recorder=None, error=None)

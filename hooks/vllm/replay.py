@@ -43,6 +43,7 @@ class ReplayResult:
     max_num_batched_tokens: int | None
     num_cached_tokens: list[int]
     output_token_ids: list[list[int]]
+    output_logprobs: list[list[float]]
     stats: dict
     seconds: float
 
@@ -93,10 +94,13 @@ def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
     return out
 
 
-def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = False,
+def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: bool = False,
            fault: str = "", kv: str = "all", overwrite: bool = False,
            progress: bool = True, run_extra: dict | None = None) -> ReplayResult:
     """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
+
+    ``trace=None`` replays without recording (the no-perturbation baseline):
+    the plugin is not installed at all.
 
     Raises:
         StatediffError: bad mode, the engine refused to start (message from vLLM),
@@ -108,7 +112,8 @@ def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = 
 
     if mode not in ("hit", "cold"):
         raise StatediffError(f"--mode must be 'hit' or 'cold', not {mode!r}")
-    check_writable(Path(trace), overwrite=overwrite)
+    if trace is not None:
+        check_writable(Path(trace), overwrite=overwrite)
     for key, val in ENGINE_ENV.items():
         os.environ.setdefault(key, val)
     kw = dict(kw)
@@ -117,7 +122,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = 
     prompts = render_prompts(turns, kw["model"])
     conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     cfg = RecorderConfig(
-        trace=trace, mode=mode, replay="exact" if exact else "default", kv=kv,
+        trace=trace or "", mode=mode, replay="exact" if exact else "default", kv=kv,
         fault=None, overwrite=overwrite,
         run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
                    "num_requests": len(turns), **(run_extra or {})},
@@ -127,9 +132,11 @@ def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = 
         del os.environ[key]  # nothing from an earlier replay in this process may leak in
     if fault:
         env["STATEDIFF_FAULT"] = fault
-    os.environ.update(env)
+    plugin.unregister()
     plugin.reset()
-    plugin.register()
+    if trace is not None:
+        os.environ.update(env)
+        plugin.register()
 
     from vllm import LLM, SamplingParams
 
@@ -143,16 +150,19 @@ def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = 
     except Exception as e:  # vLLM raises many types for bad engine arguments
         raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     salt_base = uuid.uuid4().hex[:12]
-    cached, outputs = [], []
+    cached, outputs, logprobs = [], [], []
     bar = _progress(len(turns), progress, f"record {mode}")
     for i, (turn, ids) in enumerate(zip(turns, prompts)):
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if mode == "cold":
             prompt["cache_salt"] = f"statediff-cold-{salt_base}-{i}"
-        sp = SamplingParams(**{k: v for k, v in turn.sampling.items()})
+        sp = SamplingParams(logprobs=0, **turn.sampling)  # logprob of each sampled token
         res = llm.generate([prompt], sp, use_tqdm=False)[0]
         cached.append(int(res.num_cached_tokens or 0))
-        outputs.append([int(t) for t in res.outputs[0].token_ids])
+        comp = res.outputs[0]
+        outputs.append([int(t) for t in comp.token_ids])
+        logprobs.append([float(lp[t].logprob) for t, lp in zip(comp.token_ids, comp.logprobs or [])])
+        plugin.annotate_request(i, output_logprobs=logprobs[-1], num_cached_tokens=cached[-1])
         bar.update(1)
     bar.close()
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
@@ -161,7 +171,8 @@ def replay(turns: list[Turn], kw: dict, *, trace: str, mode: str, exact: bool = 
         raise StatediffError(f"recording failed: {stats['error']}")
     del llm
     return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=kw.get("max_num_batched_tokens"),
-                        num_cached_tokens=cached, output_token_ids=outputs, stats=stats,
+                        num_cached_tokens=cached, output_token_ids=outputs,
+                        output_logprobs=logprobs, stats=stats,
                         seconds=time.perf_counter() - t0)
 
 
