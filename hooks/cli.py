@@ -55,6 +55,11 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--exact/--default-chunking", "exact", default=False,
               help="Exact replay: prefill one block per step (max_num_batched_tokens = actual block size), "
                    "so a fault-free hit/cold pair is bit-identical.")
+@click.option("--exact-split", is_flag=True,
+              help="Exact replay, split form: the hit run keeps the engine's chunking; the cold run "
+                   "(with --split-like HIT.h5) splits each prefill where the hit run's state was computed.")
+@click.option("--split-like", type=click.Path(dir_okay=False), default=None, metavar="HIT.h5",
+              help="With --mode cold --exact-split: the hit trace whose chunk boundaries to reproduce.")
 @click.option("--model", default=TINY, show_default=True, help="Model directory, or 'tiny' for the built-in tiny hybrid.")
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--block-size", type=int, default=None, help="Requested KV-cache block size in tokens (vLLM may raise it for hybrids).")
@@ -72,7 +77,7 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request of the built-in conversation.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def record(conversation, output, mode, exact, model, dtype, block_size, max_model_len,
+def record(conversation, output, mode, exact, exact_split, split_like, model, dtype, block_size, max_model_len,
            max_num_batched_tokens, enforce_eager, seed, engine_args, fault, kv, max_tokens,
            overwrite, no_progress):
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent conversation)
@@ -95,9 +100,11 @@ def record(conversation, output, mode, exact, model, dtype, block_size, max_mode
                        enforce_eager=enforce_eager, seed=seed,
                        max_num_batched_tokens=max_num_batched_tokens, extra=_parse_engine_args(engine_args))
     res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
-                 overwrite=overwrite, progress=not no_progress,
+                 overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
+                 split_like=split_like,
                  run_extra={"conversation": conversation or "builtin:demo"})
-    click.echo(f"recorded {len(turns)} requests ({mode}, {'exact' if exact else 'default'} chunking, "
+    form = "exact, one block per step" if exact else "exact, split form" if exact_split else "default"
+    click.echo(f"recorded {len(turns)} requests ({mode}, {form} chunking, "
                f"block size {res.block_size}) to {output} in {res.seconds:.1f} s")
     click.echo(f"  prefix-cache hit tokens per request: {res.num_cached_tokens}")
     click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "

@@ -152,3 +152,32 @@ def test_bad_conversation_line_is_one_line_exit_2(tiny_model, tmp_path):
     r = run_cli("record", str(conv), "--model", str(tiny_model), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"statediff: error: {conv}:2: invalid JSON (Expecting property name enclosed in double quotes)"]
+
+
+def test_exact_split_form_is_bit_identical_with_default_chunking(recordings):
+    """The hit run keeps the engine's chunking; the cold run splits where the hit run's state did."""
+    hit_path = recordings.get("hit-split", "hit", "--exact-split")
+    with open_trace(hit_path) as hit:
+        assert hit.requests[1]["chunks"][:2] == [[448, 544], [544, 568]]  # not one block per step
+    with open_trace(hit_path) as hit, \
+         open_trace(recordings.get("cold-split", "cold", "--exact-split", "--split-like", str(hit_path))) as cold:
+        assert cold.run["split_plan"]["2"] == [448, 544, 672]
+        assert cold.requests[2]["chunks"][:3] == [[0, 448], [448, 544], [544, 672]]
+        h, c = _keys(hit), _keys(cold)
+        assert set(h) <= set(c) and len(h) > 100
+        assert [k for k in h if h[k].hash != c[k].hash] == []
+        for i in range(5):
+            assert hit.requests[i]["output_logprobs"] == cold.requests[i]["output_logprobs"]
+        assert hit.run["replay"] == cold.run["replay"] == "exact"
+        assert hit.run["exact_form"] == cold.run["exact_form"] == "split"
+
+
+def test_split_like_needs_the_same_conversation(recordings, tmp_path):
+    hit_path = recordings.get("hit-split", "hit", "--exact-split")
+    conv = tmp_path / "other.jsonl"
+    conv.write_text(json.dumps({"prompt_token_ids": list(range(5, 80))}) + "\n")
+    r = run_cli("record", str(conv), "--model", str(recordings.model), "--block-size", "32",
+                "--mode", "cold", "--exact-split", "--split-like", str(hit_path), "-o", str(tmp_path / "c.h5"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"statediff: error: --split-like {hit_path}: its prompts are not this conversation's"]

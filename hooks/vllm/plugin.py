@@ -58,7 +58,9 @@ def _patch(owner: Any, name: str, wrapper_factory: Any) -> None:
 
 def register() -> None:
     """vLLM plugin hook: install the capture patches when STATEDIFF_TRACE is set."""
-    if os.environ.get("STATEDIFF_DISABLE") == "1" or not os.environ.get("STATEDIFF_TRACE"):
+    if os.environ.get("STATEDIFF_DISABLE") == "1":
+        return
+    if not os.environ.get("STATEDIFF_TRACE") and not os.environ.get("STATEDIFF_SPLITS"):
         return
     if _originals:
         return  # once per process
@@ -69,6 +71,13 @@ def register() -> None:
     _patch(runner_cls, "execute_model", _wrap_execute_model)
     _patch(runner_cls, "sample_tokens", _wrap_sample_tokens)
     _patch(mamba_utils, "preprocess_mamba", _wrap_preprocess_mamba)
+    from .sched_v1 import load_plan, wrap_split
+
+    plan = load_plan()
+    if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        _patch(Scheduler, "_mamba_block_aligned_split", lambda orig: wrap_split(orig, plan))
     try:  # Model Runner V2 has no adapter yet: refuse it loudly rather than record nothing
         from vllm.v1.worker.gpu import model_runner as v2
 

@@ -25,6 +25,7 @@ from statediff.errors import StatediffError
 
 from ..recorder import RecorderConfig
 from . import plugin
+from .sched_v1 import cold_salt
 
 # In-process engine core: start ~2 s instead of ~15 s on CPU, and the recorder
 # lives in this process so it can be closed deterministically.
@@ -96,11 +97,18 @@ def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
 
 def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: bool = False,
            fault: str = "", kv: str = "all", overwrite: bool = False,
-           progress: bool = True, run_extra: dict | None = None) -> ReplayResult:
+           progress: bool = True, run_extra: dict | None = None,
+           exact_split: bool = False, split_like: str | None = None) -> ReplayResult:
     """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
 
     ``trace=None`` replays without recording (the no-perturbation baseline):
     the plugin is not installed at all.
+
+    Exact replay has two forms. ``exact``: one block per step in both runs.
+    ``exact_split``: the hit run keeps the engine's chunking, and the cold run
+    (``split_like`` = that hit trace) splits each prefill at the chunk ends
+    the hit run's state went through (``statediff.splitplan``), so long
+    prompts do not pay one step per block.
 
     Raises:
         StatediffError: bad mode, the engine refused to start (message from vLLM),
@@ -117,15 +125,27 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     for key, val in ENGINE_ENV.items():
         os.environ.setdefault(key, val)
     kw = dict(kw)
+    if exact and exact_split:
+        raise StatediffError("choose one exact replay form: --exact or --exact-split")
     if exact:
         kw["max_num_batched_tokens"] = actual_block_size(kw)
     prompts = render_prompts(turns, kw["model"])
+    splits = {}
+    if exact_split and mode == "cold":
+        if not split_like:
+            raise StatediffError("--exact-split in cold mode needs --split-like HIT.h5 (the hit run's trace)")
+        splits = _split_plan(split_like, prompts)
+    elif split_like:
+        raise StatediffError("--split-like is for the cold run of --exact-split")
     conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     cfg = RecorderConfig(
-        trace=trace or "", mode=mode, replay="exact" if exact else "default", kv=kv,
+        trace=trace or "", mode=mode, replay="exact" if exact or exact_split else "default", kv=kv,
         fault=None, overwrite=overwrite,
         run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
-                   "num_requests": len(turns), **(run_extra or {})},
+                   "num_requests": len(turns),
+                   "exact_form": "block" if exact else "split" if exact_split else None,
+                   "split_plan": {str(k): v for k, v in splits.items()} or None,
+                   **(run_extra or {})},
     )
     env = cfg.to_env()
     for key in [k for k in os.environ if k.startswith("STATEDIFF_") and k != "STATEDIFF_DEBUG"]:
@@ -134,8 +154,10 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
         env["STATEDIFF_FAULT"] = fault
     plugin.unregister()
     plugin.reset()
-    if trace is not None:
-        os.environ.update(env)
+    if splits:
+        env["STATEDIFF_SPLITS"] = json.dumps({str(k): v for k, v in splits.items()})
+    if trace is not None or splits:
+        os.environ.update(env if trace is not None else {"STATEDIFF_SPLITS": env["STATEDIFF_SPLITS"]})
         plugin.register()
 
     from vllm import LLM, SamplingParams
@@ -155,7 +177,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     for i, (turn, ids) in enumerate(zip(turns, prompts)):
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if mode == "cold":
-            prompt["cache_salt"] = f"statediff-cold-{salt_base}-{i}"
+            prompt["cache_salt"] = cold_salt(salt_base, i)
         sp = SamplingParams(logprobs=0, **turn.sampling)  # logprob of each sampled token
         res = llm.generate([prompt], sp, use_tqdm=False)[0]
         cached.append(int(res.num_cached_tokens or 0))
@@ -174,6 +196,21 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
                         num_cached_tokens=cached, output_token_ids=outputs,
                         output_logprobs=logprobs, stats=stats,
                         seconds=time.perf_counter() - t0)
+
+
+def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]]:
+    """Cold-run split points from the hit trace; its prompts must be this replay's."""
+    from statediff.splitplan import cold_splits
+    from statediff.trace import open_trace
+
+    with open_trace(hit_trace) as t:
+        reqs = t.requests
+        if t.run.get("mode") != "hit":
+            raise StatediffError(f"--split-like {hit_trace}: not a hit-mode trace")
+    got = [reqs[i].get("prompt_token_ids") for i in sorted(reqs)]
+    if got != prompts:
+        raise StatediffError(f"--split-like {hit_trace}: its prompts are not this conversation's")
+    return cold_splits(reqs)
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:
