@@ -174,6 +174,18 @@ class CalibrateResult:
         return "\n".join(lines)
 
 
+def _same_tokens(ra: dict[int, dict], rb: dict[int, dict], request: int, position: int) -> bool:
+    """Both runs fed request ``request`` the same first ``position`` tokens (prompt + outputs)."""
+    x, y = ra.get(request), rb.get(request)
+    if x is None or y is None:
+        return True  # no token record: cannot tell, keep the pair
+
+    def toks(r: dict) -> list[int]:
+        return list(r.get("prompt_token_ids") or []) + list(r.get("output_token_ids") or [])
+
+    return toks(x)[:position] == toks(y)[:position]
+
+
 def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = None) -> CalibrateResult:
     """Measure the benign differences of two legitimate cold runs.
 
@@ -192,8 +204,13 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
                 warnings.append(f"{t.path} is a {t.run.get('mode')!r} run, not a cold run")
         plan = align(a.entries, b.entries)
         envs: dict[tuple[int, str], Envelope] = {}
-        identical = 0
+        identical = diverged_tokens = 0
         for p in plan.pairs:
+            if not _same_tokens(a.requests, b.requests, p.cold.request, p.cold.position):
+                # Once greedy outputs differ, later states summarise other tokens:
+                # that is not noise, and would inflate the envelope past real bugs.
+                diverged_tokens += 1
+                continue
             if not p.same_layout:
                 warnings.append(f"skipped {p.cold.label()}: dtype/shape differ")
                 continue
@@ -202,6 +219,9 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
             key = (p.cold.layer, p.cold.kind)
             env = envs.setdefault(key, Envelope(p.cold.layer, p.cold.kind, p.cold.module, p.cold.dtype))
             env.add(m)
+        if diverged_tokens:
+            warnings.append(f"{diverged_tokens} pairs skipped: their token prefixes differ between the runs "
+                            "(greedy outputs diverged earlier)")
         n_unpaired = len(plan.hit_only) + len(plan.cold_only)
         if n_unpaired:
             warnings.append(f"{n_unpaired} tensors had no counterpart and were not calibrated")
