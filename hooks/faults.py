@@ -21,6 +21,9 @@ FAULTS = {
     "ssm-bf16": ("gdn.ssm_state", 1, "SSM state rounded to bfloat16 on restore"),
     "ssm-nan": ("gdn.ssm_state", 1, "one NaN written into the resumed SSM state"),
     "kv-swap": ("attn.k", 2, "the last two cached KV blocks swapped (K and V)"),
+    # speculative decoding (hooks/vllm/spec_v1.py): fires in the first step after the hit
+    "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
+                        "at the rows right after the hit boundary, before the drafter reads them"),
 }
 
 

@@ -1,7 +1,12 @@
-"""Build a tiny, random, fully offline Qwen3-Next hybrid model for tests.
+"""Build tiny, random, fully offline target models for tests.
 
-``build_tiny_model(out_dir, seed=0)`` writes a Hugging Face model directory
-that both ``transformers`` and vLLM load with no network access:
+``build_tiny_model(out_dir, seed=0)`` writes a Qwen3-Next hybrid and
+``build_tiny_dense_model(out_dir, seed=0)`` a dense Qwen2 (see
+``tiny_dense_config``; the EAGLE-3 drafter for it is built by
+``statediff_hooks.tinydraft``). Both share the tokenizer, chat template,
+seeded weight drawing and atomic directory writer below. The hybrid is a
+Hugging Face model directory that both ``transformers`` and vLLM load with
+no network access:
 
 - ``config.json``: ``Qwen3NextForCausalLM`` (``model_type`` ``qwen3_next``),
   fields as in transformers 5.19 ``Qwen3NextConfig``, read by vLLM 0.32
@@ -51,7 +56,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERATOR_VERSION", "MARKER_NAME", "build_tiny_model", "tiny_config"]
+__all__ = ["GENERATOR_VERSION", "MARKER_NAME", "build_tiny_dense_model", "build_tiny_model",
+           "tiny_config", "tiny_dense_config"]
 
 #: Bump when anything that changes the written files changes.
 GENERATOR_VERSION = 1
@@ -212,27 +218,113 @@ def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     return specs
 
 
-def _make_weights(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Return ``{name: torch.Tensor}``, all bfloat16, contiguous, on CPU."""
+def tiny_dense_config() -> dict[str, Any]:
+    """Return the ``config.json`` of the tiny dense target (a plain dict).
+
+    ``Qwen2ForCausalLM`` (``model_type`` ``qwen2``; transformers 5.19
+    ``Qwen2Config`` names, read by vLLM 0.32 ``models/qwen2.py``, which
+    supports EAGLE-3 aux hidden-state outputs). 4 layers, hidden 256, 4 query
+    heads and 2 KV heads of dim 64 (q/k/v biases, as in Qwen2), dense MLP 512,
+    the tokenizer's 1024-token vocabulary. RMSNorm weights are plain
+    multipliers (initialised to 1, unlike Qwen3-Next's 1-centred ones).
+    With vLLM 0.32 CPU and ``block_size=32`` the block size stays 32.
+    """
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "dtype": "bfloat16",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layer_types": ["full_attention"] * 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 4,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _INIT_STD,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
+def _dense_param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, init)`` of every tensor of the dense Qwen2 checkpoint.
+
+    Shapes for the default config: embed_tokens / lm_head (1024, 256);
+    q_proj (256, 256) + bias (256,); k_proj / v_proj (128, 256) + bias (128,);
+    o_proj (256, 256); gate_proj / up_proj (512, 256); down_proj (256, 512);
+    norms (256,) initialised to 1; biases to 0.
+    """
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (cfg["vocab_size"], h), "normal"),
+    ]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        specs += [
+            (f"{p}.self_attn.q_proj.weight", (nh * hd, h), "normal"),
+            (f"{p}.self_attn.q_proj.bias", (nh * hd,), "zeros"),
+            (f"{p}.self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+            (f"{p}.self_attn.k_proj.bias", (nkv * hd,), "zeros"),
+            (f"{p}.self_attn.v_proj.weight", (nkv * hd, h), "normal"),
+            (f"{p}.self_attn.v_proj.bias", (nkv * hd,), "zeros"),
+            (f"{p}.self_attn.o_proj.weight", (h, nh * hd), "normal"),
+            (f"{p}.mlp.gate_proj.weight", (inter, h), "normal"),
+            (f"{p}.mlp.up_proj.weight", (inter, h), "normal"),
+            (f"{p}.mlp.down_proj.weight", (h, inter), "normal"),
+            (f"{p}.input_layernorm.weight", (h,), "ones"),
+            (f"{p}.post_attention_layernorm.weight", (h,), "ones"),
+        ]
+    specs += [
+        ("model.norm.weight", (h,), "ones"),
+        ("lm_head.weight", (cfg["vocab_size"], h), "normal"),
+    ]
+    return specs
+
+
+def draw_tensor(name: str, shape: tuple[int, ...], init: str, seed: int, std: float = _INIT_STD) -> Any:
+    """One float32 CPU tensor, drawn from a generator seeded by ``sha256(f"{seed}:{name}")``.
+
+    ``init``: ``normal`` (N(0, std)), ``zeros``, ``ones`` or ``a_log``
+    (log U(5e-4, 5e-3)). The same (seed, name) always gives the same values,
+    whatever else is drawn.
+    """
     import torch
 
-    out = {}
-    for name, shape, init in _param_specs(cfg):
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        t = torch.empty(shape, dtype=torch.float32)
-        if init == "normal":
-            t.normal_(0.0, _INIT_STD, generator=gen)
-        elif init == "zeros":
-            t.zero_()
-        elif init == "ones":
-            t.fill_(1.0)
-        elif init == "a_log":
-            t.uniform_(*_A_LOG_RANGE, generator=gen).log_()
-        else:  # pragma: no cover
-            raise ValueError(init)
-        out[name] = t.to(torch.bfloat16).contiguous()
-    return out
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    t = torch.empty(shape, dtype=torch.float32)
+    if init == "normal":
+        t.normal_(0.0, std, generator=gen)
+    elif init == "zeros":
+        t.zero_()
+    elif init == "ones":
+        t.fill_(1.0)
+    elif init == "a_log":
+        t.uniform_(*_A_LOG_RANGE, generator=gen).log_()
+    else:  # pragma: no cover
+        raise ValueError(init)
+    return t
+
+
+def _make_weights(specs: list[tuple[str, tuple[int, ...], str]], seed: int) -> dict[str, Any]:
+    """Return ``{name: torch.Tensor}`` for ``specs``, all bfloat16, contiguous, on CPU."""
+    import torch
+
+    return {name: draw_tensor(name, shape, init, seed).to(torch.bfloat16).contiguous()
+            for name, shape, init in specs}
 
 
 # --- tokenizer -------------------------------------------------------------
@@ -413,7 +505,7 @@ def _tokenizer_config() -> dict[str, Any]:
 # --- writer ----------------------------------------------------------------
 
 
-def _marker(seed: int, weights_sha256: str) -> dict[str, Any]:
+def _marker(seed: int, weights_sha256: str, architecture: str) -> dict[str, Any]:
     import tokenizers
     import torch
 
@@ -421,7 +513,7 @@ def _marker(seed: int, weights_sha256: str) -> dict[str, Any]:
         "generator": "statediff_hooks.tinymodel",
         "generator_version": GENERATOR_VERSION,
         "seed": seed,
-        "architecture": "Qwen3NextForCausalLM",
+        "architecture": architecture,
         "weights_sha256": weights_sha256,
         "torch_version": torch.__version__,
         "tokenizers_version": tokenizers.__version__,
@@ -442,11 +534,12 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, overwrite: bool = Fa
         overwrite: rewrite the files even if ``out_dir`` already holds them.
 
     If ``out_dir`` already holds a model from this generator version with the
-    same seed, it is returned untouched (cheap for test fixtures). A non-empty
-    ``out_dir`` holding anything else raises ``FileExistsError`` unless
-    ``overwrite``. Files are written into a temporary sibling directory first
-    and then moved in, so a concurrent reader never sees a partial model.
-    Only the generator's own files are replaced; other files are left alone.
+    same seed and architecture, it is returned untouched (cheap for test
+    fixtures). A non-empty ``out_dir`` holding anything else raises
+    ``FileExistsError`` unless ``overwrite``. Files are written into a
+    temporary sibling directory first and then moved in, so a concurrent
+    reader never sees a partial model. Only the generator's own files are
+    replaced; other files are left alone.
 
     Side effect: calls ``torch.set_flush_denormal(True)`` in the calling
     process (random weights produce denormals at run time, which make CPU
@@ -456,27 +549,28 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, overwrite: bool = Fa
     tokens (mamba page padded 34304 -> 65536 B); ``block_size=16`` is raised
     to 32; no ``block_size`` gives the CPU default 128.
     """
-    out = Path(out_dir)
-    marker_path = out / MARKER_NAME
-    if out.exists() and not overwrite:
-        if marker_path.is_file():
-            old = json.loads(marker_path.read_text(encoding="utf-8"))
-            if old.get("generator_version") == GENERATOR_VERSION and old.get("seed") == seed:
-                return out
-        if any(out.iterdir()):
-            raise FileExistsError(f"{out} is not empty and holds no matching tiny model; pass overwrite=True")
-
-    import torch
-    from safetensors.torch import save_file
-
-    torch.set_flush_denormal(True)
     cfg = tiny_config()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        weights = _make_weights(cfg, seed)
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+    return _build_target(out_dir, cfg, _param_specs(cfg), seed=seed, overwrite=overwrite)
+
+
+def build_tiny_dense_model(out_dir: str | Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """Write the tiny dense Qwen2 target (``tiny_dense_config``) and return its path.
+
+    Same tokenizer, chat template, seeding, caching and atomic-write rules
+    as ``build_tiny_model``; ``FileExistsError`` likewise.
+    """
+    cfg = tiny_dense_config()
+    return _build_target(out_dir, cfg, _dense_param_specs(cfg), seed=seed, overwrite=overwrite)
+
+
+def _build_target(out_dir: str | Path, cfg: dict[str, Any], specs: list, *, seed: int,
+                  overwrite: bool) -> Path:
+    """Write a target model (config, weights, tokenizer files) via ``write_model_dir``."""
+
+    def files(tmp: Path) -> str:
+        from safetensors.torch import save_file
+
+        save_file(_make_weights(specs, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _dump_json(tmp / "config.json", cfg)
         _dump_json(
             tmp / "generation_config.json",
@@ -485,7 +579,46 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, overwrite: bool = Fa
         _train_tokenizer().save(str(tmp / "tokenizer.json"), pretty=True)
         _dump_json(tmp / "tokenizer_config.json", _tokenizer_config())
         (tmp / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
-        _dump_json(tmp / MARKER_NAME, _marker(seed, digest))  # written last: marks completeness
+        return hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+
+    arch = cfg["architectures"][0]
+    return write_model_dir(out_dir, files, lambda d: _marker(seed, d, arch), seed=seed,
+                           architecture=arch, overwrite=overwrite)
+
+
+def write_model_dir(out_dir: str | Path, files: Any, marker: Any, *, seed: int, architecture: str,
+                    overwrite: bool) -> Path:
+    """Atomically write a generated model directory; shared by every tiny-model builder.
+
+    ``files(tmp)`` writes the model files into a temporary sibling directory
+    and returns the weights' sha256; ``marker(digest)`` returns the contents
+    of ``MARKER_NAME`` (must hold ``generator_version``, ``seed`` and
+    ``architecture``), written last as the completeness mark. An existing
+    directory whose marker matches (version, seed, architecture) is returned
+    untouched unless ``overwrite``.
+
+    Raises:
+        FileExistsError: ``out_dir`` is non-empty and holds no matching model.
+    """
+    out = Path(out_dir)
+    marker_path = out / MARKER_NAME
+    if out.exists() and not overwrite:
+        if marker_path.is_file():
+            old = json.loads(marker_path.read_text(encoding="utf-8"))
+            if (old.get("generator_version") == GENERATOR_VERSION and old.get("seed") == seed
+                    and old.get("architecture") == architecture):
+                return out
+        if any(out.iterdir()):
+            raise FileExistsError(f"{out} is not empty and holds no matching tiny model; pass overwrite=True")
+
+    import torch
+
+    torch.set_flush_denormal(True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        digest = files(tmp)
+        _dump_json(tmp / MARKER_NAME, marker(digest))  # written last: marks completeness
 
         if not out.exists():
             try:

@@ -124,7 +124,7 @@ def cli() -> None:
 
 @cli.command("compare")
 @click.argument("hit", type=_path)
-@click.argument("cold", type=_path)
+@click.argument("cold", type=_path, required=False)  # omitted: HIT is a bundle .zip (statediff extract)
 @click.option("--tol", "tol", multiple=True, metavar="PATTERN=ATOL,RTOL",
               help="Tolerance rule, repeatable, first match wins, before any default: an fnmatch "
                    "PATTERN against the tensor kind, module name or MODULE:KIND, e.g. "
@@ -144,10 +144,13 @@ def cli() -> None:
               help="Write per-request heatmaps of error over layer x position (needs matplotlib).")
 @click.option("--max-listed", type=click.IntRange(0), default=10, show_default=True,
               help="How many divergences after the first to list.")
+@click.option("--first", is_flag=True,
+              help="Fail fast: stop at the first divergence (the same root a full compare names) and "
+                   "diagnose it; later divergences are neither judged nor counted.")
 @click.pass_context
 def compare_cmd(ctx: click.Context, hit: Path, cold: Path, tol: tuple[str, ...], noise: Path | None,
                 noise_factor: float, allow_engine_mismatch: bool, allow_noise_in_exact: bool,
-                as_json: bool, plot: Path | None, max_listed: int) -> None:
+                as_json: bool, plot: Path | None, max_listed: int, first: bool) -> None:
     """Name the first tensor where the HIT trace diverges from the COLD trace.
 
     Pairs tensors by (request, position, layer, kind), judges each pair
@@ -157,16 +160,29 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path, tol: tuple[str, ...],
     integers exact), reports the first divergence in causal order, its
     propagated consequences and what the wrong tensor matches instead.
     Exit 0 no divergence, 1 divergence, 2 error.
+
+    'statediff compare BUNDLE.zip' compares the two traces of a bundle
+    written by 'statediff extract', with the options it was extracted with.
     """
     from .compare import compare
 
     if plot is not None:
         from .plot import require_matplotlib
         require_matplotlib()
-    result = compare(hit, cold, tol=tol, noise=noise, noise_factor=noise_factor,
-                     allow_engine_mismatch=allow_engine_mismatch,
-                     allow_noise_in_exact=allow_noise_in_exact, max_listed=max_listed,
-                     progress=sys.stderr.isatty() and not as_json)
+    kw = dict(noise_factor=noise_factor, allow_engine_mismatch=allow_engine_mismatch,
+              allow_noise_in_exact=allow_noise_in_exact, max_listed=max_listed,
+              progress=sys.stderr.isatty() and not as_json, stop_at_first=first)
+    if cold is None:  # --- bundle (statediff/bundle.py) ---
+        from .bundle import compare_bundle, is_bundle
+
+        if not is_bundle(hit):
+            raise click.UsageError("Missing argument 'COLD' (give HIT COLD traces, or one bundle .zip "
+                                   "written by 'statediff extract')")
+        if ctx.get_parameter_source("noise_factor") == click.core.ParameterSource.DEFAULT:
+            del kw["noise_factor"]
+        result = compare_bundle(hit, tol=tol, noise=noise, **kw)
+    else:
+        result = compare(hit, cold, tol=tol, noise=noise, **kw)
     _emit(result, as_json)
     if plot is not None:
         from .plot import plot as write_plot
@@ -205,6 +221,103 @@ def inspect_cmd(ctx: click.Context, trace: Path, as_json: bool) -> None:
     result = inspect_trace(trace)
     _emit(result, as_json)
     ctx.exit(result.exit_code)
+
+
+# --- from traces to a bug report: extract (statediff/bundle.py), report (statediff/incident.py) ---
+
+def _compare_options(f):
+    """The compare options that judge a pair, shared by extract and report."""
+    for opt in reversed([
+        click.option("--tol", "tol", multiple=True, metavar="PATTERN=ATOL,RTOL",
+                     help="Tolerance rule, as for 'statediff compare' (repeatable)."),
+        click.option("--noise", type=_path, metavar="NOISE.json", help="Noise file, as for 'statediff compare'."),
+        click.option("--noise-factor", type=float, default=4.0, show_default=True,
+                     help="Allowed multiple of the calibrated noise envelope."),
+        click.option("--allow-engine-mismatch", is_flag=True, help="As for 'statediff compare'."),
+        click.option("--allow-noise-in-exact", is_flag=True, help="As for 'statediff compare'."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@cli.command("extract")
+@click.argument("hit", type=_path)
+@click.argument("cold", type=_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              metavar="BUNDLE.zip", help="The bundle to write.")
+@click.option("--max-mb", type=float, default=25.0, show_default=True,
+              help="Refuse a bundle over this many MB (GitHub's attachment limit is 25).")
+@click.option("--neighbours", type=click.IntRange(0), default=1, show_default=True,
+              help="Boundaries kept on each side of the root position.")
+@click.option("--no-neighbours", is_flag=True,
+              help="Keep only the root tensor (both traces) and the diagnosis match: the smallest bundle.")
+@click.option("--no-plot", is_flag=True, help="Leave out the heatmap PNG.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle.")
+@_compare_options
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.pass_context
+def extract_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path, max_mb: float, neighbours: int,
+                no_neighbours: bool, no_plot: bool, overwrite: bool, tol: tuple[str, ...], noise: Path | None,
+                noise_factor: float, allow_engine_mismatch: bool, allow_noise_in_exact: bool,
+                as_json: bool) -> None:
+    """Write BUNDLE.zip: the smallest hit/cold trace pair that shows the root divergence.
+
+    The bundle holds the first divergent tensor on both sides, the same
+    layer's states at the neighbouring boundaries of that request, the cold
+    tensor the diagnosis matched, every run and request record, report.md
+    (the incident record), the heatmap and the replayed prompts. It is
+    checked before it is written: same fingerprints as the originals, and
+    'statediff compare BUNDLE.zip' names the same root and diagnosis.
+    Exit 0 written; 2 on error, including when HIT and COLD do not diverge
+    (nothing to extract) and when the bundle does not fit --max-mb.
+    """
+    from .bundle import extract
+
+    result = extract(hit, cold, output, max_mb=max_mb, neighbours=0 if no_neighbours else neighbours,
+                     siblings=not no_neighbours, plot=not no_plot, overwrite=overwrite, tol=tol,
+                     noise=noise, noise_factor=noise_factor, allow_engine_mismatch=allow_engine_mismatch,
+                     allow_noise_in_exact=allow_noise_in_exact,
+                     progress=sys.stderr.isatty() and not as_json)
+    _emit(result, as_json)
+    ctx.exit(result.exit_code)
+
+
+@cli.command("report")
+@click.argument("hit", type=_path)
+@click.argument("cold", type=_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), metavar="REPORT.md",
+              help="Write the Markdown here instead of printing it.")
+@_compare_options
+@click.option("--json", "as_json", is_flag=True, help="Print the record as one JSON object.")
+@click.pass_context
+def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, tol: tuple[str, ...],
+               noise: Path | None, noise_factor: float, allow_engine_mismatch: bool,
+               allow_noise_in_exact: bool, as_json: bool) -> None:
+    """The incident record of HIT vs COLD, in Markdown ready to paste into an issue.
+
+    Engine version and commit, checkpoint and quantization, drafter, method
+    and speculative tokens, prompt tokens and prefix-cache hit per turn,
+    mamba cache mode, acceptance, seed and sampling, forced cache misses,
+    replay mode, block size, the root divergence and its diagnosis, and the
+    commands that reproduce it; 'unknown' where the traces do not say.
+    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error.
+    """
+    from .incident import incident_report
+
+    result = incident_report(hit, cold, tol=tol, noise=noise, noise_factor=noise_factor,
+                             allow_engine_mismatch=allow_engine_mismatch,
+                             allow_noise_in_exact=allow_noise_in_exact)
+    if output is not None:
+        try:
+            output.write_text(result.to_markdown(), encoding="utf-8")
+        except OSError as e:
+            raise StatediffError(f"cannot write {output}: {e.strerror or e}") from None
+        click.echo(f"wrote {output}: {result.title}")
+    else:
+        _emit(result, as_json)
+    ctx.exit(result.exit_code)
+
+# --- end of extract/report ---
 
 
 def main() -> None:

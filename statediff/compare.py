@@ -5,7 +5,9 @@ Stages, in order: open both traces -> refuse incomparable ones
 (``align.align``) -> judge each pair (hash first, streamed full compare
 only where hashes differ) -> root vs propagated (``diverge.classify``) ->
 diagnose the roots (``diagnose.diagnose``) -> per-request table -> one
-``CompareResult``.
+``CompareResult``. With ``stop_at_first`` the judging stops at the first
+divergent pair in causal order, which is always the first root (nothing
+earlier can explain it), so the root is the one a full compare reports.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ PathLike = str | os.PathLike
 def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule] = (),
             noise: PathLike | None = None, noise_factor: float = DEFAULT_FACTOR,
             allow_engine_mismatch: bool = False, allow_noise_in_exact: bool = False,
-            max_listed: int = 10, progress: bool = False) -> CompareResult:
+            max_listed: int = 10, progress: bool = False, stop_at_first: bool = False) -> CompareResult:
     """Compare a cache-hit trace against its cold trace.
 
     Args:
@@ -46,6 +48,10 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             (and although it was calibrated on traces of another replay mode).
         max_listed: how many divergences after the first the report lists.
         progress: show a progress bar on stderr for the full compares.
+        stop_at_first: stop judging at the first divergent pair (the first root,
+            the same a full compare names) and diagnose it; later divergences,
+            propagated ones included, are then neither judged nor counted
+            (``result.stopped_after`` says how many pairs were judged).
 
     Returns:
         the result; ``result.exit_code`` is 0 (same) or 1 (divergence).
@@ -73,7 +79,8 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             model.check_matches(cold, check_replay=not allow_noise_in_exact)
         policy = Policy(rules, exact, model)
         plan = align(hit.entries, cold.entries)
-        divs, scores, identical, unjudged = _judge(plan, hit, cold, policy, progress)
+        divs, scores, identical, unjudged = _judge(plan, hit, cold, policy, progress, stop_at_first)
+        stopped_after = len(scores) if stop_at_first and len(scores) < len(plan.pairs) else None
         if unjudged:
             warnings.append(f"{unjudged} pairs have no envelope in the noise file: judged by "
                             f"{'bit identity' if exact else 'dtype defaults'}")
@@ -89,11 +96,12 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             policy=policy.describe(), warnings=warnings, pairs=len(plan.pairs),
             identical=identical, divergences=[d for d, _ in divs], diagnoses=diagnoses,
             unpaired=_unpaired(plan, hit), requests=_requests(hit, cold), scores=scores,
-            max_listed=max_listed, bit_identity=exact and model is None)
+            max_listed=max_listed, bit_identity=exact and model is None, stopped_after=stopped_after)
 
 
-def _judge(plan: Plan, hit: Trace, cold: Trace, policy: Policy, progress: bool):
-    """Judge every pair; returns (divergences with their pairs, plot scores, #identical, #unjudged)."""
+def _judge(plan: Plan, hit: Trace, cold: Trace, policy: Policy, progress: bool, stop_at_first: bool = False):
+    """Judge every pair (or up to the first divergent one); returns (divergences with
+    their pairs, plot scores (one per judged pair), #identical, #unjudged)."""
     divs: list[tuple[Divergence, Pair]] = []
     scores = []
     identical = unjudged = 0
@@ -106,7 +114,8 @@ def _judge(plan: Plan, hit: Trace, cold: Trace, policy: Policy, progress: bool):
         if m is not None and m.identical:
             identical += 1
         scores.append((c.request, c.position, c.layer, c.kind,
-                       m.severity if m is not None else float("inf"), m.max_ulp if m else None))
+                       m.severity if m is not None else float("inf"),
+                       m.max_ulp if m is not None else None))  # PairMetrics is falsy when beyond tolerance
         if m is not None and m.within:
             continue
         reason = ("dtype/shape differ" if m is None else
@@ -115,6 +124,8 @@ def _judge(plan: Plan, hit: Trace, cold: Trace, policy: Policy, progress: bool):
             request=c.request, position=c.position, layer=c.layer, module=c.module or h.module,
             kind=c.kind, role_hit=h.role, role_cold=c.role, dtype=h.dtype, shape=h.shape,
             layout_cold=f"{c.dtype} {c.shape}", reason=reason, tolerance=tol, metrics=m), p))
+        if stop_at_first:
+            break
     return divs, scores, identical, unjudged
 
 

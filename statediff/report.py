@@ -223,6 +223,12 @@ class CompareResult:
     scores: list[tuple[int, int, int, str, float, int | None]] = dataclasses.field(repr=False, default_factory=list)
     max_listed: int = 10
     bit_identity: bool = False  # the policy expects bit identity (exact replay, no noise file)
+    stopped_after: int | None = None  # pairs judged when compare stopped at the first divergence (--first)
+
+    @property
+    def stopped_early(self) -> bool:
+        """compare stopped at the first divergence: later pairs were not judged, nothing after it counted."""
+        return self.stopped_after is not None
 
     @property
     def exit_code(self) -> int:
@@ -238,6 +244,11 @@ class CompareResult:
 
     def summary(self) -> str:
         n, roots = len(self.divergences), len(self.roots)
+        if self.stopped_early:
+            return (f"aligned by (request, position, layer, kind): {self.pairs} pairs; stopped early at the "
+                    f"first divergence (--first) after judging {self.stopped_after} ({self.identical} "
+                    f"bit-identical, {self.stopped_after - self.identical} read in full): later divergences, "
+                    "propagated ones included, were not counted")
         return (f"aligned by (request, position, layer, kind): {self.pairs} pairs, {self.identical} "
                 f"bit-identical, {self.pairs - self.identical} read in full; {n} divergent "
                 f"({roots} root{'s' if roots != 1 else ''}, {n - roots} propagated)")
@@ -253,7 +264,10 @@ class CompareResult:
         roots = self.roots
         for i, d in enumerate(roots, 1):
             later = d.propagated - d.propagated_same_request
-            out += ["", f"root {i} of {len(roots)}: " + d.to_text(),
+            head = "first root (--first: later ones not searched)" if self.stopped_early else f"root {i} of {len(roots)}"
+            out += ["", f"{head}: " + d.to_text(),
+                    "  propagated from it: not counted (stopped early at the first divergence)"
+                    if self.stopped_early else
                     f"  propagated from it: {d.propagated} divergent pairs ({d.propagated_same_request} "
                     f"in request {d.request}, {later} in later requests)"]
             out += [f"  {g.text}" for g in self.diagnoses[1:] if g.request == d.request
@@ -280,6 +294,8 @@ class CompareResult:
             "tolerance_policy": self.policy,
             "warnings": self.warnings,
             "pairs": self.pairs,
+            "stopped_early": self.stopped_early,
+            "judged": self.pairs if self.stopped_after is None else self.stopped_after,
             "identical": self.identical,
             "divergent": len(self.divergences),
             "first": first.to_json() if first else None,

@@ -237,3 +237,42 @@ def test_layout_mismatch_is_a_divergence_without_metrics(tmp_path):
     assert r.exit_code == 1 and r.first.reason == "dtype/shape differ" and r.first.metrics is None
     assert "  dtype/shape differ: hit float32 (2, 3), cold float32 (2, 4)" in r.to_text()
     assert r.diagnoses == []
+
+
+# -- --first: stop at the first divergence -------------------------------------------
+
+def test_first_stops_at_the_root_a_full_compare_names(tmp_path, colds):
+    from click.testing import CliRunner
+
+    from statediff.cli import cli
+
+    hit = hit_trace(tmp_path, Fault("prev_block", 2, 1), Fault("zero_conv", 3, 0))
+    full = compare(hit, colds["default"])
+    fast = compare(hit, colds["default"], stop_at_first=True)
+    assert [d.key for d in full.roots] == [(2, 80, 1, "gdn.ssm_state"), (3, 48, 0, "gdn.conv_state")]
+    assert [d.key for d in fast.divergences] == [d.key for d in fast.roots] == [(2, 80, 1, "gdn.ssm_state")]
+    assert fast.exit_code == 1 and fast.first.root and fast.first.propagated == 0
+    assert fast.diagnoses[0].text == full.diagnoses[0].text == CASES["prev_block"][2]
+    # judged: request 0 (16 pairs), request 1 (18), request 2 up to the root (6) of 78
+    assert (fast.stopped_early, fast.stopped_after, fast.pairs) == (True, 40, 78)
+    assert not full.stopped_early and full.first.propagated == 8
+    text = fast.to_text().splitlines()
+    assert text[:2] == full.to_text().splitlines()[:2]  # diagnosis, then "DIVERGED: first divergence at ..."
+    assert text[5] == ("aligned by (request, position, layer, kind): 78 pairs; stopped early at the first "
+                       "divergence (--first) after judging 40 (39 bit-identical, 1 read in full): later "
+                       "divergences, propagated ones included, were not counted")
+    assert "  propagated from it: not counted (stopped early at the first divergence)" in text
+
+    r = CliRunner().invoke(cli, ["compare", "--json", "--first", str(hit), str(colds["default"])])
+    assert r.exit_code == 1, r.output
+    doc = json.loads(r.stdout)
+    assert (doc["stopped_early"], doc["judged"], doc["divergent"]) == (True, 40, 1)
+    assert [doc["first"][k] for k in ("request", "position", "layer", "kind")] == [2, 80, 1, "gdn.ssm_state"]
+    doc_full = json.loads(CliRunner().invoke(cli, ["compare", "--json", str(hit), str(colds["default"])]).stdout)
+    assert (doc_full["stopped_early"], doc_full["judged"], doc_full["divergent"]) == (False, 78, 26)
+    assert doc_full["roots"][0] | {"propagated": 0, "propagated_same_request": 0} == doc["roots"][0]
+
+
+def test_first_on_a_clean_pair_judges_everything(tmp_path, colds):
+    r = compare(hit_trace(tmp_path), colds["default"], stop_at_first=True)
+    assert (r.exit_code, r.stopped_early, r.stopped_after, r.identical) == (0, False, None, 78)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import os
 import sys
 from typing import Any
@@ -71,6 +72,7 @@ def register() -> None:
     _patch(runner_cls, "execute_model", _wrap_execute_model)
     _patch(runner_cls, "sample_tokens", _wrap_sample_tokens)
     _patch(mamba_utils, "preprocess_mamba", _wrap_preprocess_mamba)
+    _patch(runner_cls, "propose_draft_token_ids", _wrap_propose_draft_token_ids)  # spec_v1.py
     from .sched_v1 import load_plan, wrap_split
 
     plan = load_plan()
@@ -84,7 +86,6 @@ def register() -> None:
         _patch(v2.GPUModelRunner, "__init__", _refuse_v2)
     except ImportError:
         pass
-    atexit.register(close)
 
 
 def unregister() -> None:
@@ -118,6 +119,9 @@ def _capture_for(runner: Any) -> Any:
     if getattr(runner.parallel_config, "world_size", 1) > 1:
         raise UnsupportedEngine("statediff records single-GPU engines only (tensor/pipeline parallel size 1)")
     rec = Recorder(config, run_metadata(runner))
+    # After the writer's own exit handler, so that it runs first (atexit is LIFO)
+    # and finishes the trace file instead of leaving a partial one.
+    atexit.register(close)
     _state["recorder"] = rec
     _state["capture"] = cap = V1Capture(rec, runner)
     return cap
@@ -170,6 +174,19 @@ def _wrap_preprocess_mamba(orig: Any) -> Any:
             _guard(lambda: cap.after_preprocess_mamba(mamba_state_idx))
         return out
     return preprocess_mamba
+
+
+def _wrap_propose_draft_token_ids(orig: Any) -> Any:
+    # speculative decoding: drafter inputs and acceptance (logic in spec_v1.py)
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def propose_draft_token_ids(self: Any, *a: Any, **kw: Any) -> Any:
+        cap = _state["capture"]
+        if cap is not None:
+            _guard(lambda: cap.before_propose(sig.bind(self, *a, **kw).arguments))
+        return orig(self, *a, **kw)
+    return propose_draft_token_ids
 
 
 def close() -> dict:

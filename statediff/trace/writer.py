@@ -1,61 +1,96 @@
 """Crash-safe trace writer: one segment file per engine step, merged on close.
 
 While recording, ``<trace>.parts/`` holds ``run.json`` and one complete
-HDF5 segment per step that produced data (written to ``*.tmp`` and renamed,
-so every visible segment is whole). A process killed at any point leaves a
-readable partial trace: the reader serves the parts directory as a trace
-marked partial, up to the last completed step. ``close()`` merges the
-segments into the single file ``<trace>`` (chunks copied without
-recompression) and removes the parts directory.
+HDF5 segment per step that produced data, ``seg-00000000.h5``,
+``seg-00000001.h5``, ... (each written as ``*.tmp`` and renamed, so every
+visible segment is whole). A process killed at any point leaves a readable
+partial trace: the reader serves the parts directory as a trace marked
+partial, up to the last completed step. ``close()`` merges the segments
+into the single file ``<trace>`` (compressed chunks copied as they are,
+never recompressed) and removes the parts directory; ``recover()`` does the
+same for the parts directory a killed recording left behind.
 
-Writes run on one background thread so the engine only pays for the copy
-of each tensor to host memory. If a write fails (disk full, path gone), the
+Writes run on one background thread (plus a small pool that compresses
+chunks and computes fingerprints), so the engine only pays for the copy of
+each tensor to host memory. If a write fails (disk full, path gone), the
 writer stops recording, keeps what is on disk readable, and reports the
 error from ``close()``; it never raises into the engine's step.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import concurrent.futures
 import json
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import h5py
-import hdf5plugin
 import numpy as np
 
 from .. import __version__
 from ..dtypes import storage_dtype
 from ..errors import TraceError
-from .fingerprint import fingerprint
-from .schema import FORMAT_NAME, FORMAT_VERSION, INDEX_DTYPE, MAX_NDIM, RUN_KEYS, TensorEntry
+from .schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    KINDS,
+    MAX_NDIM,
+    ROLES,
+    RUN_KEYS,
+    TensorEntry,
+    request_problem,
+    run_problem,
+)
+from .storage import create_dataset, encode, write_array
 
 MIN_FREE_BYTES = 64 * 1024 * 1024
-CHUNK_BYTES = 1 << 20  # target HDF5 chunk size: ~1 MiB compresses well and reads in bounded memory
+# HDF5 1.10 file format: checksummed metadata (damage is detected), compact
+# links and chunk indexes (~400 bytes per small tensor instead of ~3 KB with
+# the 1.6 default), readable by every HDF5 since 1.10 (h5py, h5dump 1.10, ...).
+LIBVER = ("v110", "v110")
+QUEUE_STEPS = 8  # steps handed over but not yet written; end_step() waits beyond this
 
 
-def parts_dir(path: Path) -> Path:
+def parts_dir(path: str | os.PathLike) -> Path:
     """Directory holding the segments of an unfinished recording of ``path``."""
+    path = Path(path)
     return path.with_name(path.name + ".parts")
 
 
-def check_writable(path: Path, *, overwrite: bool = False, min_free: int = MIN_FREE_BYTES) -> None:
+def check_writable(path: str | os.PathLike, *, overwrite: bool = False,
+                   min_free: int = MIN_FREE_BYTES) -> None:
     """Refuse a trace path before any engine starts.
 
     Raises:
-        TraceError: the directory is missing or not writable, the file exists
-            (without ``overwrite``), or fewer than ``min_free`` bytes are free.
+        TraceError: the directory is missing or not writable, the path is a
+            directory, the file exists (without ``overwrite``), or fewer than
+            ``min_free`` bytes are free on its disk.
     """
+    path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise TraceError(f"cannot write trace {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise TraceError(f"cannot write trace {path}: directory {parent} is not writable")
+    # os.access trusts permission bits; root, read-only mounts and pseudo file
+    # systems need a real attempt
+    probe = parent / f".{path.name}.probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TraceError(f"cannot write trace {path}: directory {parent} is not writable "
+                         f"({e.strerror})") from None
     if path.is_dir():
         raise TraceError(f"cannot write trace {path}: it is a directory")
     if path.exists() and not overwrite:
@@ -68,29 +103,54 @@ def check_writable(path: Path, *, overwrite: bool = False, min_free: int = MIN_F
         )
 
 
-def _chunks(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
-    """Chunk shape of about CHUNK_BYTES that splits along the leading axes."""
-    if not shape or 0 in shape:
-        return None
-    chunk = list(shape)
-    total = itemsize
-    for d in shape:
-        total *= d
-    axis = 0
-    while total > CHUNK_BYTES and axis < len(chunk):
-        rest = total // chunk[axis]
-        keep = max(1, CHUNK_BYTES // max(rest, 1))
-        if keep < chunk[axis]:
-            total = rest * keep
-            chunk[axis] = keep
-        if chunk[axis] > 1:
-            break
-        axis += 1
-    return tuple(chunk)
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no such numbers)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if np.isfinite(obj) else None
+    if isinstance(obj, np.ndarray):
+        return _finite(obj.tolist())
+    return obj
+
+
+def to_json(value: Any) -> str:
+    """JSON text as stored in a trace: sorted keys, numpy scalars as numbers.
+
+    NaN and infinities (e.g. an acceptance rate of 0/0) are stored as null:
+    the format allows no non-finite numbers in metadata.
+    """
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=False, default=_json_default)
+    except ValueError:
+        return json.dumps(_finite(value), sort_keys=True, allow_nan=False, default=_json_default)
+
+
+def _plain(value: dict) -> dict:
+    """``value`` as it will read back (numpy scalars and tuples become JSON types)."""
+    return json.loads(to_json(value))
 
 
 def write_json_attr(obj: h5py.HLObject, name: str, value: Any) -> None:
-    obj.attrs[name] = json.dumps(value, sort_keys=True, allow_nan=False, default=str)
+    """Store ``value`` as a UTF-8 JSON text attribute (sorted keys, no NaN)."""
+    obj.attrs[name] = to_json(value)
+
+
+def default_threads() -> int:
+    """Compression threads: half the cores, 1 to 4 (the engine needs the rest)."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class TraceWriter:
@@ -100,70 +160,134 @@ class TraceWriter:
         path: final trace file (``.h5``). ``<path>.parts/`` is used meanwhile.
         run: run metadata; keys of ``schema.RUN_KEYS`` missing here are stored as null.
         clevel: Zstandard level (3: ~0.5 GB/s per core; higher levels barely help).
-        overwrite: replace an existing trace at ``path``.
+        overwrite: replace an existing trace (and a leftover parts directory) at ``path``.
+        threads: compression/fingerprint threads (default ``default_threads()``);
+            0 does everything on the writer thread.
 
     Raises:
         TraceError: the path cannot be written (checked before anything starts).
+        ValueError: a documented run field has the wrong type (``schema.run_problem``).
+
+    Attributes:
+        error: None, or one line saying why recording stopped early.
     """
 
     def __init__(self, path: str | os.PathLike, run: dict, *, clevel: int = 3,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, threads: int | None = None) -> None:
         self.path = Path(path)
+        self.run = _plain({k: run.get(k) for k in RUN_KEYS} | dict(run))
+        self.run["statediff_version"] = self.run.get("statediff_version") or __version__
+        self.run["created_unix"] = self.run.get("created_unix") or time.time()
+        problem = run_problem(self.run)
+        if problem:
+            raise ValueError(problem)
         check_writable(self.path, overwrite=overwrite)
         self.parts = parts_dir(self.path)
         if self.parts.exists():
             if not overwrite:
                 raise TraceError(
                     f"{self.parts} exists: an earlier recording of {self.path} did not finish "
-                    "(read it with 'statediff inspect', or use --overwrite)"
+                    "(read it with 'statediff inspect', recover it with 'statediff recover', "
+                    "or use --overwrite)"
                 )
             shutil.rmtree(self.parts)
-        self.parts.mkdir()
-        self.run = {k: run.get(k) for k in RUN_KEYS} | dict(run)
-        self.run.setdefault("statediff_version", __version__)
-        self.run["statediff_version"] = self.run["statediff_version"] or __version__
-        self.run["created_unix"] = self.run["created_unix"] or time.time()
+        try:
+            self.parts.mkdir()
+        except OSError as e:
+            raise TraceError(f"cannot create {self.parts}: {e.strerror}") from None
         self.clevel = clevel
         self.requests: dict[int, dict] = {}
         self._dirty: set[int] = set()
         self._pending: list[tuple[dict, np.ndarray]] = []
         self._seq = 0
-        self._segments = 0
+        self._segments = 0  # written by the writer thread only
         self._bytes_raw = 0
         self.error: str | None = None
         self._closed = False
-        self._queue: queue.Queue = queue.Queue(maxsize=8)
+        n = default_threads() if threads is None else threads
+        self._pool = (concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="statediff-zstd")
+                      if n > 0 else None)
+        self._window = n + 1  # tensors encoded ahead of the HDF5 writes
+        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_STEPS)
         self._thread = threading.Thread(target=self._drain, name="statediff-writer", daemon=True)
         self._thread.start()
         self.update_run()
+        if self.error is not None:
+            self._stop_threads()
+            shutil.rmtree(self.parts, ignore_errors=True)
+            raise TraceError(f"cannot start recording {self.path}: {self.error}")
+        atexit.register(self._at_exit)
 
     # -- engine-thread API -------------------------------------------------
 
     def update_run(self, **fields: Any) -> None:
-        """Merge fields into the run metadata and persist it (``run.json``)."""
-        self.run.update(fields)
+        """Merge fields into the run metadata and persist it (``run.json``, atomically).
+
+        Never raises on I/O errors: a failure stops recording (see ``error``).
+
+        Raises:
+            ValueError: a documented field has the wrong type (``schema.run_problem``).
+        """
+        new = _plain(self.run | fields)
+        problem = run_problem(new)
+        if problem:
+            raise ValueError(problem)
+        self.run = new
+        if self.error is not None:
+            return
         tmp = self.parts / "run.json.tmp"
         try:
-            tmp.write_text(json.dumps(self.run, sort_keys=True, default=str))
+            tmp.write_text(to_json(self.run))
             os.replace(tmp, self.parts / "run.json")
-        except OSError as e:
+        except (OSError, ValueError) as e:
             self._fail(f"cannot write {tmp}: {e}")
 
     def begin_request(self, index: int, request_id: str, prompt_token_ids: list[int],
                       **fields: Any) -> None:
-        """Register request ``index`` (its order in the replay; the alignment id)."""
+        """Register request ``index`` (its order in the replay; the alignment id).
+
+        ``fields`` may set any documented request field (``cache_salt``,
+        ``num_cached_tokens``, ...) or extra JSON-serialisable ones.
+
+        Raises:
+            ValueError: a documented field has the wrong type (``schema.request_problem``).
+        """
+        prompt = [int(t) for t in prompt_token_ids]
         rec = {"index": index, "request_id": request_id,
-               "prompt_len": len(prompt_token_ids), "num_cached_tokens": None,
-               "output_token_ids": [], "chunks": [], "finished": False}
-        rec.update(fields)
-        rec["prompt_token_ids"] = list(prompt_token_ids)
-        self.requests[index] = rec
-        self._dirty.add(index)
+               "prompt_len": len(prompt), "num_cached_tokens": None,
+               "output_token_ids": [], "chunks": [], "finished": False,
+               "acceptance": None, "cache_salt": None}
+        rec = self._checked(rec | fields)
+        rec["prompt_token_ids"] = prompt
+        self.requests[rec["index"]] = rec
+        self._dirty.add(rec["index"])
 
     def update_request(self, index: int, **fields: Any) -> None:
-        """Set fields of a registered request (output ids, hit length, chunks, acceptance)."""
-        self.requests[index].update(fields)
+        """Set fields of a registered request (output ids, hit length, chunks, acceptance).
+
+        Raises:
+            KeyError: ``index`` was never registered with ``begin_request``.
+            ValueError: a documented field has the wrong type.
+        """
+        rec = self.requests[index]
+        tokens = {k: [int(t) for t in fields.pop(k)]
+                  for k in ("prompt_token_ids", "output_token_ids") if k in fields}
+        fields.pop("index", None)
+        new = self._checked({"index": index} | fields)  # checks only what changes
+        rec.update(new)
+        rec.update(tokens)
+        if "prompt_token_ids" in tokens and "prompt_len" not in fields:
+            rec["prompt_len"] = len(tokens["prompt_token_ids"])
         self._dirty.add(index)
+
+    @staticmethod
+    def _checked(rec: dict) -> dict:
+        plain = _plain({k: v for k, v in rec.items()
+                        if k not in ("prompt_token_ids", "output_token_ids")})
+        problem = request_problem(plain)
+        if problem:
+            raise ValueError(f"request {rec.get('index')!r}: {problem}")
+        return plain
 
     def add(self, array: np.ndarray, *, request: int, position: int, layer: int, kind: str,
             role: str, module: str, dtype: str, token_start: int | None = None,
@@ -172,26 +296,43 @@ class TraceWriter:
 
         Args:
             array: host copy in storage dtype (bf16 as uint16 bit patterns,
-                fp8 as uint8); the writer keeps a reference, so the caller
-                must not modify it afterwards.
+                fp8 as uint8), at most 8 dimensions; the writer keeps a
+                reference, so the caller must not modify it afterwards.
             request, position, layer, kind: the alignment key (see schema).
+            role: one of ``schema.ROLES``.
+            module: engine module name (UTF-8, truncated to 96 bytes).
             dtype: logical dtype name (e.g. "bfloat16").
+            token_start: first token covered (K/V blocks); defaults to ``position``.
+
+        Raises:
+            TypeError, ValueError: a programming error in the caller (wrong
+                storage dtype, unknown kind/role, bad position); never for I/O.
         """
         if self.error is not None or self._closed:
             return
-        if array.dtype != storage_dtype(dtype):
-            raise TypeError(f"{kind}: array dtype {array.dtype} is not the storage dtype of {dtype}")
+        if not isinstance(array, np.ndarray) or array.dtype != storage_dtype(dtype):
+            raise TypeError(f"{kind}: array dtype {getattr(array, 'dtype', type(array))} "
+                            f"is not the storage dtype of {dtype} ({storage_dtype(dtype)})")
         if array.ndim > MAX_NDIM:
             raise ValueError(f"{kind}: {array.ndim} dimensions (at most {MAX_NDIM})")
+        if kind not in KINDS or role not in ROLES:
+            raise ValueError(f"unknown kind {kind!r} or role {role!r} (see statediff.trace.schema)")
+        start = position if token_start is None else token_start
+        if request < 0 or position < 0 or not 0 <= start <= position:
+            raise ValueError(f"{kind}: invalid request {request} / position {position} / "
+                             f"token_start {start}")
         meta = dict(request=request, position=position, layer=layer, kind=kind, role=role,
-                    module=module, token_start=position if token_start is None else token_start,
-                    step=step, block=block, dtype=dtype, shape=tuple(array.shape),
-                    dataset=f"t{self._seq:09d}")
+                    module=module, token_start=start, step=step, block=block, dtype=dtype,
+                    shape=tuple(array.shape), dataset=f"t{self._seq:09d}")
         self._seq += 1
         self._pending.append((meta, array))
 
     def end_step(self) -> None:
-        """Hand the tensors and request updates of this step to the writer thread."""
+        """Hand the tensors and request updates of this step to the writer thread.
+
+        Waits only when ``QUEUE_STEPS`` steps are already waiting to be
+        written. Never raises on I/O errors.
+        """
         if self.error is not None or self._closed:
             self._pending.clear()
             return
@@ -199,8 +340,7 @@ class TraceWriter:
             return
         reqs = {i: self._request_snapshot(i) for i in sorted(self._dirty)}
         self._dirty.clear()
-        item = (self._segments, self._pending, reqs)
-        self._segments += 1
+        item = (self._pending, reqs)
         self._pending = []
         self._queue.put(item)
 
@@ -208,38 +348,60 @@ class TraceWriter:
         """Flush, merge the segments into the trace file, remove the parts.
 
         Returns:
-            stats: ``{"tensors", "bytes_raw", "bytes_file", "segments"}``.
+            stats: ``{"tensors", "segments", "bytes_raw", "bytes_file"}``.
 
         Raises:
-            TraceError: a write failed during recording; the parts directory
-                (readable as a partial trace) is kept.
+            TraceError: a write failed during recording or while merging; the
+                parts directory (readable as a partial trace) is kept.
         """
         if self._closed:
             return {}
         self.end_step()
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        atexit.unregister(self._at_exit)
+        self._stop_threads()
         if self.error is not None:
-            raise TraceError(f"recording stopped early: {self.error}; partial trace kept in {self.parts}")
+            raise TraceError(f"recording of {self.path} stopped early: {self.error}; "
+                             f"partial trace kept in {self.parts}")
         self.update_run()
-        stats = merge_parts(self.parts, self.path, self.requests)
+        if self.error is not None:
+            raise TraceError(f"cannot finish {self.path}: {self.error}; "
+                             f"partial trace kept in {self.parts}")
+        stats = merge_parts(self.parts, self.path, self.requests, overwrite=True,
+                            expect_segments=self._segments)
         shutil.rmtree(self.parts, ignore_errors=True)
         stats["bytes_raw"] = self._bytes_raw
         return stats
 
+    def _at_exit(self) -> None:
+        """Interpreter exit without close() (e.g. Ctrl-C): write every step already handed over.
+
+        The parts directory then holds every step passed to ``end_step()``
+        and stays a readable partial trace; it is not merged (that could take
+        long at exit): ``statediff recover`` does it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_threads()
+        print(f"statediff: recording of {self.path} did not finish; partial trace of "
+              f"{self._segments} steps kept in {self.parts}", file=sys.stderr, flush=True)
+
+    def _stop_threads(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
     # -- writer thread -----------------------------------------------------
 
-    def _request_snapshot(self, index: int) -> dict:
-        rec = dict(self.requests[index])
-        rec["prompt_token_ids"] = list(rec["prompt_token_ids"])
-        rec["output_token_ids"] = list(rec["output_token_ids"])
-        return rec
+    def _request_snapshot(self, index: int) -> tuple[str, list[int], list[int]]:
+        return snapshot_request(self.requests[index])
 
     def _fail(self, msg: str) -> None:
         if self.error is None:
             self.error = msg
-            print(f"statediff: recording stopped: {msg}", flush=True)
+            print(f"statediff: recording stopped: {msg}", file=sys.stderr, flush=True)
 
     def _drain(self) -> None:
         while True:
@@ -247,82 +409,216 @@ class TraceWriter:
             if item is None:
                 return
             if self.error is not None:
-                continue
-            seg, tensors, reqs = item
-            final = self.parts / f"seg-{seg:08d}.h5"
-            tmp = final.with_suffix(".h5.tmp")
+                continue  # keep consuming so end_step() never blocks forever
+            tensors, reqs = item
+            final = self.parts / f"seg-{self._segments:08d}.h5"
+            tmp = final.with_name(final.name + ".tmp")
             try:
                 self._write_segment(tmp, tensors, reqs)
                 os.replace(tmp, final)
+                self._segments += 1
             except Exception as e:  # disk full, path removed, ...: stop, keep what is there
-                self._fail(f"cannot write {tmp}: {e}")
+                self._fail(f"cannot write {tmp.name}: {_oserror_text(e)}")
                 try:
                     tmp.unlink()
                 except OSError:
                     pass
 
     def _write_segment(self, path: Path, tensors: list, reqs: dict) -> None:
+        """Write one step as a complete segment file (tensors, index, request snapshots).
+
+        Tensors are encoded (fingerprint + compression) by the pool, up to
+        ``_window`` ahead of this thread, which only does the HDF5 writes.
+        """
         rows = []
-        with h5py.File(path, "w") as f:
+        with h5py.File(path, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT_NAME
             f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["segment"] = True
             g = f.create_group("tensors")
-            for meta, array in tensors:
-                ds = g.create_dataset(
-                    meta["dataset"], data=array, chunks=_chunks(array.shape, array.itemsize),
-                    **hdf5plugin.Zstd(clevel=self.clevel),
-                )
-                ds.attrs["dtype"] = meta["dtype"]
-                fp = fingerprint(array, meta["dtype"])
-                rows.append(TensorEntry(**meta, **fp).to_row())
+            jobs: collections.deque = collections.deque()
+            todo = iter(tensors)
+            while True:
+                for meta, array in todo:
+                    jobs.append((meta, array, self._submit(encode, array, meta["dtype"], self.clevel)))
+                    if len(jobs) >= self._window:
+                        break
+                if not jobs:
+                    break
+                meta, array, fut = jobs.popleft()
+                enc = fut.result()
+                ds = create_dataset(g, meta["dataset"], array.shape, array.dtype, enc.chunks,
+                                    self.clevel)
+                if enc.chunks is None:
+                    if array.size:
+                        ds[()] = array
+                for offset, frame in enc.frames:
+                    ds.id.write_direct_chunk(offset, frame)
+                rows.append(TensorEntry(**meta, **enc.fingerprint).to_row())
                 self._bytes_raw += array.nbytes
-            f.create_dataset("index", data=np.array(rows, dtype=INDEX_DTYPE))
-            write_requests(f, reqs)
+            write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), self.clevel)
+            write_requests(f, reqs, self.clevel)
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(fn(*args))
+        return fut
 
 
-def write_requests(f: h5py.File, reqs: dict[int, dict]) -> None:
-    """Write request records under /requests/rNNNNNNNN (token ids as int64 datasets)."""
+def _oserror_text(e: BaseException) -> str:
+    """One short line: the OS reason first (HDF5 messages can be very long)."""
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.strerror} (errno {e.errno})" if e.errno else e.strerror
+    else:
+        text = str(e) or type(e).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def snapshot_request(rec: dict) -> tuple[str, list[int], list[int]]:
+    """A request record frozen now: (JSON text of its fields, prompt ids, output ids).
+
+    Taken on the caller's thread at ``end_step()``: callers may keep
+    mutating the live record (e.g. appending to ``chunks``) afterwards.
+    """
+    text = to_json({k: v for k, v in rec.items()
+                    if k not in ("prompt_token_ids", "output_token_ids")})
+    return (text, [int(t) for t in rec.get("prompt_token_ids") or []],
+            [int(t) for t in rec.get("output_token_ids") or []])
+
+
+def write_requests(f: h5py.File, reqs: dict[int, tuple[str, list[int], list[int]]],
+                   clevel: int = 3) -> None:
+    """Write request snapshots under /requests/rNNNNNNNN (token ids as int64 datasets).
+
+    Raises:
+        ValueError: a record breaks the documented field types (a caller may
+            have edited ``TraceWriter.requests`` directly); nothing invalid is
+            ever stored.
+    """
     g = f.require_group("requests")
-    for i, rec in reqs.items():
+    for i, (text, prompt, output) in reqs.items():
+        problem = request_problem(json.loads(text))
+        if problem:
+            raise ValueError(f"request {i}: {problem}")
         name = f"r{int(i):08d}"
         if name in g:
             del g[name]
         rg = g.create_group(name)
-        meta = {k: v for k, v in rec.items() if k not in ("prompt_token_ids", "output_token_ids")}
-        write_json_attr(rg, "json", meta)
-        for key in ("prompt_token_ids", "output_token_ids"):
-            rg.create_dataset(key, data=np.asarray(rec.get(key) or [], dtype="<i8"))
+        rg.attrs["json"] = text
+        write_array(rg, "prompt_token_ids", np.asarray(prompt, dtype="<i8"), clevel)
+        write_array(rg, "output_token_ids", np.asarray(output, dtype="<i8"), clevel)
 
 
-def merge_parts(parts: Path, out: Path, requests: dict[int, dict] | None = None) -> dict:
-    """Merge a parts directory into one trace file (atomically replacing ``out``).
+def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
+                requests: dict[int, dict] | None = None, *, overwrite: bool = False,
+                complete: bool = True, expect_segments: int | None = None) -> dict:
+    """Merge a parts directory into one trace file (atomically creating ``out``).
 
-    ``requests`` (the writer's in-memory view) wins over the segments' snapshots;
-    without it (``statediff recover``), the last snapshot of each request is used.
+    Only the valid prefix of segments is merged (what ``open_trace`` serves
+    for the parts directory); datasets are copied as stored (compressed
+    chunks byte for byte, nothing decoded), ~50 us per tensor.
+    ``requests`` (the writer's in-memory view) wins over the segments'
+    snapshots; without it the last snapshot of each request is used.
+
+    Args:
+        parts: the ``<trace>.parts`` directory.
+        out: the trace file to create (written as ``<out>.tmp``, then renamed).
+        requests: request records to store instead of the segments' snapshots.
+        overwrite: replace an existing ``out``.
+        complete: the root attribute ``complete`` (False for a recovered trace).
+        expect_segments: refuse to merge unless exactly this many segments are
+            valid (``close()`` knows how many it wrote; nothing is dropped silently).
+
+    Returns:
+        stats: ``{"tensors", "segments", "bytes_file"}``.
+
+    Raises:
+        TraceError: the parts directory is unreadable or ``out`` cannot be written
+            (``out`` is then left untouched and ``<out>.tmp`` removed).
     """
-    from .reader import read_parts_requests  # the reader owns segment discovery
+    from .reader import Trace  # the reader owns validation and segment discovery
 
-    run = json.loads((parts / "run.json").read_text())
-    segs = sorted(parts.glob("seg-*.h5"))
-    if requests is None:
-        requests = read_parts_requests(segs)
+    parts, out = Path(parts), Path(out)
+    if not parts.is_dir():
+        raise TraceError(f"{parts} is not a parts directory")
+    if out.exists() and not overwrite:
+        raise TraceError(f"trace {out} already exists (use --overwrite to replace it)")
+    src = Trace(parts)
     tmp = out.with_name(out.name + ".tmp")
-    rows = []
-    with h5py.File(tmp, "w") as f:
-        f.attrs["format"] = FORMAT_NAME
-        f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["complete"] = True
-        rg = f.create_group("run")
-        write_json_attr(rg, "json", run)
-        tg = f.create_group("tensors")
-        for seg in segs:
-            with h5py.File(seg, "r") as s:
-                for name in s["tensors"]:
-                    s.copy(s["tensors"][name], tg, name=name)
-                rows.append(s["index"][()])
-        index = np.concatenate(rows) if rows else np.zeros(0, dtype=INDEX_DTYPE)
-        f.create_dataset("index", data=index, **hdf5plugin.Zstd(clevel=3) if len(index) > 64 else {})
-        write_requests(f, requests)
-    os.replace(tmp, out)
-    return {"tensors": int(len(index)), "segments": len(segs), "bytes_file": out.stat().st_size}
+    try:
+        if expect_segments is not None and src.segments != expect_segments:
+            raise TraceError(
+                f"cannot merge {parts}: {expect_segments} steps were written but "
+                f"{src.segments} are readable ({src.damage or 'segments missing'})")
+        if requests is None:
+            requests = src.requests
+        rows = [e.to_row() for e in sorted(src.entries, key=lambda e: e.dataset)]
+        with h5py.File(tmp, "w", libver=LIBVER) as f:
+            f.attrs["format"] = FORMAT_NAME
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["complete"] = bool(complete)
+            write_json_attr(f.create_group("run"), "json", src.run)
+            tg = f.create_group("tensors")
+            for seg, names in src.datasets_by_file().items():
+                sg = src._file(seg)["tensors"]
+                for name in names:
+                    _copy_raw(sg, tg, name)
+            write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), 3)
+            write_requests(f, {i: snapshot_request(r) for i, r in requests.items()})
+        os.replace(tmp, out)
+        return {"tensors": len(rows), "segments": src.segments, "bytes_file": out.stat().st_size}
+    except TraceError:
+        _unlink(tmp)
+        raise
+    except BaseException as e:
+        _unlink(tmp)
+        if isinstance(e, Exception):
+            raise TraceError(f"cannot write trace {out}: {_oserror_text(e)}; "
+                             f"partial trace kept in {parts}") from None
+        raise
+    finally:
+        src.close()
+
+
+def _copy_raw(src: h5py.Group, dst: h5py.Group, name: str) -> None:
+    """Copy one dataset as stored (H5Ocopy: compressed chunks are copied, never decoded)."""
+    h5py.h5o.copy(src.id, name.encode(), dst.id, name.encode())
+
+
+def _unlink(p: Path) -> None:
+    try:
+        p.unlink()
+    except OSError:
+        pass
+
+
+def recover(parts_dir: str | os.PathLike, out: str | os.PathLike, *,
+            overwrite: bool = False) -> dict:
+    """Turn the parts directory a killed recording left into one trace file.
+
+    The result holds every completed step (the valid prefix of segments),
+    the run metadata and the last snapshot of every request; its root
+    attribute ``complete`` is False, so readers report it as partial. The
+    parts directory is left in place (delete it once the file is checked).
+
+    Args:
+        parts_dir: the ``<trace>.parts`` directory.
+        out: the trace file to create.
+        overwrite: replace an existing ``out``.
+
+    Returns:
+        stats: ``{"tensors", "segments", "bytes_file"}``.
+
+    Raises:
+        TraceError: ``parts_dir`` is not a readable parts directory, or
+            ``out`` exists or cannot be written.
+    """
+    parts = Path(parts_dir)
+    if not parts.is_dir():
+        raise TraceError(f"{parts} is not a directory (expected <trace>.parts)")
+    out = Path(out)
+    check_writable(out, overwrite=overwrite, min_free=0)
+    return merge_parts(parts, out, overwrite=overwrite, complete=False)

