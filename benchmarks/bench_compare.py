@@ -42,6 +42,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -295,12 +296,15 @@ def cli_run(hit: Path, cold: Path, *extra: str) -> dict:
     """Run ``python -m statediff compare --json [extra] HIT COLD``; wall s, peak RSS (MB), result."""
     cmd = [sys.executable, "-m", "statediff", "compare", "--json", *extra, str(hit), str(cold)]
     load0 = os.getloadavg()[0]
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()  # reads both pipes; the child is then a zombie until wait4
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t
-    code = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (Popen.wait would discard it)
+        wall = time.perf_counter() - t
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        out, err = out.read(), err.read()
     if code not in (0, 1):
         raise SystemExit(f"bench_compare: {' '.join(cmd)} exited {code}: {err.strip()}")
     rss_kb = usage.ru_maxrss  # kilobytes on Linux

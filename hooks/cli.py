@@ -130,11 +130,14 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
                    "copy of transformers' own cache (hooks/transformers_adapter.py).")
 @click.option("--drafter", default=None, metavar="DIR|dflash",
               help="With --engine transformers: a DFlash drafter directory, or 'dflash' for the built-in tiny one.")
+@click.option("--activations", is_flag=True,
+              help="Also record the residual stream after every layer at block-boundary rows, through "
+                   "forward hooks. Needs --enforce-eager and PERTURBS numerics (eager != compiled); off by default.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def record(conversation, output, mode, exact, exact_split, split_like, model, speculative_config, dtype,
            block_size, max_model_len, max_num_batched_tokens, enforce_eager, seed, engine_args, fault, kv, max_tokens,
-           sweep_boundaries, sweep_blocks, engine, drafter, overwrite, no_progress):
+           sweep_boundaries, sweep_blocks, engine, drafter, activations, overwrite, no_progress):
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent conversation)
     on a fresh vLLM engine and record a trace.
 
@@ -160,9 +163,11 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
                                     progress=not no_progress, conversation=conversation,
                                     unsupported={"--speculative-config": speculative_config,
                                                  "--sweep-boundaries": sweep_boundaries,
-                                                 "--engine-arg": engine_args})
+                                                 "--engine-arg": engine_args, "--activations": activations})
     if drafter:
         raise StatediffError("--drafter is for --engine transformers; vLLM takes --speculative-config")
+    if activations and not enforce_eager:
+        raise StatediffError("--activations needs --enforce-eager: forward hooks never run under torch.compile")
     kw = engine_kwargs(model_dir, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, seed=seed,
                        max_num_batched_tokens=max_num_batched_tokens, extra=_parse_engine_args(engine_args))
@@ -180,7 +185,7 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         run_extra |= {"conversation": BUILTIN_NAME, "sweep": sweep.to_json()}
     res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
                  overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
-                 split_like=split_like, run_extra=run_extra)
+                 split_like=split_like, run_extra=run_extra, activations=activations)
     form = "exact, one block per step" if exact else "exact, split form" if exact_split else "default"
     click.echo(f"recorded {len(turns)} requests ({mode}, {form} chunking, "
                f"block size {res.block_size}) to {output} in {res.seconds:.1f} s")

@@ -181,3 +181,19 @@ def test_split_like_needs_the_same_conversation(recordings, tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"statediff: error: --split-like {hit_path}: its prompts are not this conversation's"]
+
+
+def test_activations_are_opt_in_eager_only_and_land_at_boundary_rows(recordings, tmp_path):
+    with open_trace(recordings.get("hit-act", "hit", "--exact", "--activations")) as hit:
+        hidden = [e for e in hit.entries if e.kind == "hidden"]
+        assert {e.layer for e in hidden} == {0, 1, 2, 3}
+        assert {e.role for e in hidden} == {"activation"} and hidden[0].shape == (256,)
+        req1 = sorted({e.position for e in hidden if e.request == 1})
+        assert req1 == [480, 512, 544, 568, 576]  # rows computed after the hit at 448: boundaries, prompt end, a decode boundary
+    with open_trace(recordings.get("hit", "hit", "--exact")) as plain:
+        assert not [e for e in plain.entries if e.kind == "hidden"]  # off by default
+    r = run_cli("record", "--model", str(recordings.model), "--mode", "hit", "--activations",
+                "-o", str(tmp_path / "x.h5"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "statediff: error: --activations needs --enforce-eager: forward hooks never run under torch.compile"]

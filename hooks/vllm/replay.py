@@ -135,7 +135,8 @@ def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
 def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: bool = False,
            fault: str = "", kv: str = "all", overwrite: bool = False,
            progress: bool = True, run_extra: dict | None = None,
-           exact_split: bool = False, split_like: str | None = None) -> ReplayResult:
+           exact_split: bool = False, split_like: str | None = None,
+           activations: bool = False) -> ReplayResult:
     """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
 
     ``trace=None`` replays without recording (the no-perturbation baseline):
@@ -177,7 +178,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
         raise StatediffError("--split-like is for the cold run of --exact-split")
     conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     cfg = RecorderConfig(
-        trace=trace or "", mode=mode, replay="exact" if exact or exact_split else "default", kv=kv,
+        trace=trace or "", mode=mode, activations=activations, replay="exact" if exact or exact_split else "default", kv=kv,
         fault=None, overwrite=overwrite,
         run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
                    "num_requests": len(turns),

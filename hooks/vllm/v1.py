@@ -152,6 +152,14 @@ class V1Capture:
         self.ctx = runner.compilation_config.static_forward_context
         self.spec = runner.speculative_config is not None
         self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (spec_v1.py)
+        self.activations = None
+        if recorder.config.activations:  # opt-in, eager only, perturbs numerics (activations_v1.py)
+            if not runner.model_config.enforce_eager:
+                raise RuntimeError("statediff: activation capture needs an eager engine "
+                                   "(enforce_eager=True); forward hooks never run under torch.compile")
+            from .activations_v1 import ActivationHooks
+
+            self.activations = ActivationHooks(self)
         self.step: list[StepReq] = []
         self.fault_done = recorder.config.fault is None
         self.prompt_len: dict[str, int] = {}
@@ -200,6 +208,8 @@ class V1Capture:
         for sr in self.step:
             if sr.hit:
                 self._hit_kv(sr)
+        if self.activations is not None:
+            self.activations.step_started(so)
 
     def after_preprocess_mamba(self, mamba_state_idx: dict[str, int]) -> None:
         """Read (and, for a planted fault, corrupt) each hit's resumed GDN state."""
