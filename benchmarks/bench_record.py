@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from perfdoc import replace_section
+
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--dummy", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--write", help="Markdown file whose section to replace")
+    ap.add_argument("--models", default="tiny,larger", help="which of tiny,larger to measure")
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -133,7 +136,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="sd-bench-"))
     tiny, larger = build_models(root)
     rows, t = [], {}
-    for name, model, dummy in (("tiny", tiny, False), ("larger (dummy weights)", larger, True)):
+    chosen = [m for m in (("tiny", tiny, False), ("larger (dummy weights)", larger, True))
+              if m[0].split()[0] in args.models.split(",")]
+    for name, model, dummy in chosen:
         times: dict[str, list[float]] = {k: [] for k in ("off", "on", "exact_off", "exact_on", "split_cold_off")}
         last = {}
         for rep in range(args.reps):
@@ -177,7 +182,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
-        _replace_section(Path(args.write), text)
+        replace_section(SECTION, text, Path(args.write))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -195,17 +200,6 @@ def _per_boundary_raw(trace: Path) -> float:
             total += n
             keys.add((e.request, e.position))
     return total / max(len(keys), 1)
-
-
-def _replace_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else "# Performance\n"
-    start = old.find(SECTION)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(new)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import zstandard
 from statediff.trace import TraceWriter
 from statediff.trace.writer import default_threads
 
+from perfdoc import replace_section
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
 HEADING = "## Trace write throughput"
 
@@ -229,15 +231,7 @@ def section(text: str, args, load: tuple[float, float]) -> str:
 
 
 def write_doc(body: str) -> None:
-    old = DOC.read_text() if DOC.exists() else "# Performance\n"
-    start = old.find(HEADING + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + body
-    else:
-        end = old.find("\n## ", start + len(HEADING))
-        new = old[:start] + body + (old[end + 1:] if end >= 0 else "")
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(new.rstrip("\n") + "\n")
+    replace_section(HEADING, body)
 
 
 def main() -> None:
