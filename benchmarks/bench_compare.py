@@ -53,7 +53,8 @@ import numpy as np
 from statediff.compare import compare
 from statediff.trace import TraceWriter, open_trace
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+from perfdoc import DOC, replace_section  # benchmarks/perfdoc.py (this script's folder)
+
 HEADING = "## Compare throughput, time to first divergence, memory"
 GiB = 1 << 30
 
@@ -433,14 +434,7 @@ def section(text: str, args) -> str:
 
 
 def write_doc(body: str) -> None:
-    old = DOC.read_text() if DOC.exists() else "# Performance\n"
-    start = old.find(HEADING + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + body
-    else:
-        end = old.find("\n## ", start + len(HEADING))
-        new = old[:start] + body + (old[end + 1:] if end >= 0 else "")
-    DOC.write_text(new.rstrip("\n") + "\n")
+    replace_section(HEADING, body, DOC)
 
 
 def file_size(*paths: Path) -> int:

@@ -197,3 +197,15 @@ def test_activations_are_opt_in_eager_only_and_land_at_boundary_rows(recordings,
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "statediff: error: --activations needs --enforce-eager: forward hooks never run under torch.compile"]
+
+
+def test_a_fault_that_never_fires_is_an_error_not_a_clean_run(recordings, tmp_path):
+    out = tmp_path / "nf.h5"
+    r = run_cli("record", "--model", str(recordings.model), "--block-size", "32", "--enforce-eager",
+                "--mode", "hit", "--exact", "--fault", "ssm-wrong-block:layer=99", "-o", str(out))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "statediff: error: --fault ssm-wrong-block:layer=99 never fired (no request resumed from a "
+        f"prefix-cache hit deep enough, or no such layer or request): {out} holds a fault-free run")
+    with open_trace(out) as t:  # what was recorded stays readable
+        assert t.run["fault"] is None and not t.partial

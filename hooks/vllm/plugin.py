@@ -218,6 +218,12 @@ def annotate_request(index: int, **fields: Any) -> None:
         rec.writer.update_request(index, **fields)
 
 
+def fault_fired() -> bool:
+    """Whether this process's recording planted its fault (run metadata ``fault`` set)."""
+    rec = _state["recorder"]
+    return rec is not None and bool(rec.writer.run.get("fault"))
+
+
 def reset() -> None:
     """Forget this process's capture (a new engine in the same process records anew)."""
     _state.update(capture=None, recorder=None, error=None)

@@ -229,7 +229,12 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     bar.close()
     replay_seconds = time.perf_counter() - t_replay
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    fired = plugin.fault_fired()
     stats = plugin.close()
+    if fault and trace is not None and not fired and not stats.get("error"):
+        raise StatediffError(
+            f"--fault {fault} never fired (no request resumed from a prefix-cache hit deep enough, "
+            f"or no such layer or request): {trace} holds a fault-free run")
     if stats.get("error"):
         raise StatediffError(f"recording failed: {stats['error']}")
     del llm

@@ -164,7 +164,6 @@ class V1Capture:
         self.fault_done = recorder.config.fault is None
         self.prompt_len: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
-        self.max_tokens: dict[str, int | None] = {}
         # Only for the ssm-wrong-block fault: a copy of each SSM checkpoint by
         # (token-prefix digest, layer). The engine keeps only some checkpoint
         # blocks (align mode frees the others, and the pool is shared by all
@@ -195,7 +194,6 @@ class V1Capture:
             if self._wants_ckpt_blocks():
                 self.tokens[nr.req_id] = list(prompt)
             self.outputs[nr.req_id] = []
-            self.max_tokens[nr.req_id] = getattr(sp, "max_tokens", None)
             self.step.append(StepReq(nr.req_id, idx, int(nr.num_computed_tokens),
                                      int(so.num_scheduled_tokens[nr.req_id]), len(prompt),
                                      int(nr.num_computed_tokens), nr.block_ids))
@@ -360,9 +358,10 @@ class V1Capture:
     def _finish(self, rid: str, finished: bool = True) -> None:
         if rid not in self.rec.index or rid not in self.outputs:
             return
-        # With speculative decoding the runner samples past max_tokens; the front end truncates.
-        out = self.outputs.pop(rid)[: self.max_tokens.pop(rid, None)]
-        self.rec.writer.update_request(self.rec.index[rid], output_token_ids=out, finished=finished)
+        # Every token the runner sampled: with speculative decoding that can exceed
+        # max_tokens by up to K (the front end truncates; drafter rows match these).
+        self.rec.writer.update_request(self.rec.index[rid], output_token_ids=self.outputs.pop(rid),
+                                       finished=finished)
 
 
 def _digest(tokens: list[int]) -> bytes:
