@@ -240,6 +240,24 @@ def _compare_options(f):
     return f
 
 
+@cli.command("recover")
+@click.argument("parts", type=_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              metavar="TRACE.h5", help="The trace file to create (marked partial).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+def recover_cmd(parts: Path, output: Path, overwrite: bool) -> None:
+    """Turn the PARTS directory (<trace>.parts) an interrupted recording left into one trace file.
+
+    Every completed step is kept; the file is marked partial. PARTS itself is
+    already readable by inspect and compare; this makes it one file to share.
+    """
+    from .trace import recover
+
+    stats = recover(parts, output, overwrite=overwrite)
+    click.echo(f"recovered {stats.get('tensors', 0)} tensors from {stats.get('segments', 0)} "
+               f"completed steps into {output} (partial)")
+
+
 @cli.command("extract")
 @click.argument("hit", type=_path)
 @click.argument("cold", type=_path)
