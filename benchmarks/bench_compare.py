@@ -66,6 +66,7 @@ BLOCK = 64  # tokens between recorded boundaries (and per KV block)
 SSM_SHAPE, CONV_SHAPE, KV_SHAPE = (48, 128, 128), (3, 10240), (4, BLOCK, 256)
 FAULT_LAYER = 9  # a GDN layer: the planted fault's layer
 OUTPUT_TOKENS = 8
+KIND_ID = {"gdn.conv_state": 1, "gdn.ssm_state": 2, "attn.k": 3, "attn.v": 4}
 
 
 def is_attention(layer: int) -> bool:
@@ -153,8 +154,9 @@ class Data:
     def cold(self, position: int, layer: int, kind: str) -> np.ndarray:
         base = self.base[kind][(position // BLOCK + layer) % self.POOL]
         arr = base.copy()
-        head = arr.reshape(-1)[:4]
-        head[:] = np.array([position, layer, len(kind), position * 31 + layer], dtype=np.float64).astype(arr.dtype)
+        # finite values that differ for every (position, layer, kind), also in bfloat16
+        head = np.array([position / 1e4, layer / 100, KIND_ID[kind] / 10], dtype=np.float32)
+        arr.reshape(-1)[:3] = head if arr.dtype == np.float32 else bf16_bits(head)
         return arr
 
 
@@ -223,7 +225,7 @@ def write_trace(path: Path, mode: str, sc: Scenario, data: Data, *, change: str)
 def ensure_pair(d: Path, name: str, sc: Scenario, change: str, data: Data) -> tuple[Path, Path, float]:
     """Write (or, with a matching params file from --keep, reuse) one hit/cold pair; returns (hit, cold, s)."""
     hit, cold, params = d / f"{name}-hit.h5", d / f"{name}-cold.h5", d / f"{name}.json"
-    want = json.dumps({"scenario": dataclasses.asdict(sc), "change": change, "version": 1})
+    want = json.dumps({"scenario": dataclasses.asdict(sc), "change": change, "version": 2})
     if hit.exists() and cold.exists() and params.exists() and params.read_text() == want:
         return hit, cold, 0.0
     params.unlink(missing_ok=True)

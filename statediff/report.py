@@ -264,7 +264,9 @@ class CompareResult:
         roots = self.roots
         for i, d in enumerate(roots, 1):
             later = d.propagated - d.propagated_same_request
-            head = "first root (--first: later ones not searched)" if self.stopped_early else f"root {i} of {len(roots)}"
+            head = f"root {i} of {len(roots)}"
+            if self.stopped_early:
+                head = "first root (--first: later ones not searched)"
             out += ["", f"{head}: " + d.to_text(),
                     "  propagated from it: not counted (stopped early at the first divergence)"
                     if self.stopped_early else

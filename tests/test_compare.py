@@ -262,6 +262,8 @@ def test_first_stops_at_the_root_a_full_compare_names(tmp_path, colds):
                        "divergence (--first) after judging 40 (39 bit-identical, 1 read in full): later "
                        "divergences, propagated ones included, were not counted")
     assert "  propagated from it: not counted (stopped early at the first divergence)" in text
+    assert "first root (--first: later ones not searched): request 2, position 80, layer 1 " \
+           "(model.layers.1.linear_attn), gdn.ssm_state" in text
 
     r = CliRunner().invoke(cli, ["compare", "--json", "--first", str(hit), str(colds["default"])])
     assert r.exit_code == 1, r.output
