@@ -15,7 +15,7 @@ each request resumes from the previous request's last boundary:
    page cache, interleaved, median of ``--repeats``;
 2. time to the first divergence: a pair of ``--gb`` GiB per trace with a
    planted fault at request 0's second boundary in one layer (the SSM state
-   resumed there is the one of the boundary before) and everything causally
+   recorded there is the one of the boundary before) and everything causally
    after it differing beyond tolerance; ``statediff compare`` (full) against
    ``statediff compare --first``, each a subprocess;
 3. peak RSS of those subprocesses (GNU ``/usr/bin/time -f %M``).
@@ -26,8 +26,8 @@ sizes). The machine may be shared: the load average is reported next to
 every timing. Prints a Markdown table and writes it to docs/performance.md
 under the heading below (only that section is replaced).
 
-    python benchmarks/bench_compare.py                 # 2 x 10 GiB + 2 x 1.5 GiB on disk; ~30 min on 2 cores
-    python benchmarks/bench_compare.py --gb 1 --small-gb 0.3 --no-doc   # a quick look
+    python benchmarks/bench_compare.py                 # ~22 GB of traces on disk; 10-30 min on 2 cores
+    python benchmarks/bench_compare.py --gb 0.5 --small-gb 0.3 --requests 1 --repeats 1 --no-doc  # ~2 min
 """
 
 from __future__ import annotations
@@ -284,12 +284,13 @@ def read_and_hash(hit: Path, cold: Path) -> None:
 def throughput(hit: Path, cold: Path, repeats: int) -> dict:
     """Median seconds of each loop (interleaved), the load average around them, and sanity checks."""
     runs: dict[str, list[float]] = {"compare": [], "h5py": [], "reader": [], "stream": []}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # CPU time of all threads of this process
     result = None
     load = [os.getloadavg()[0]]
     bare_h5py(hit, cold)  # warm the page cache and the imports
     for _ in range(repeats):
         for name in runs:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             if name == "compare":
                 result = compare(hit, cold)
             elif name == "h5py":
@@ -299,11 +300,12 @@ def throughput(hit: Path, cold: Path, repeats: int) -> dict:
             else:
                 read_and_hash(hit, cold)
             runs[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
         load.append(os.getloadavg()[0])
     assert result is not None and result.exit_code == 0 and result.identical == 0, result.summary()
     assert worst > 0
     return {"median": {k: statistics.median(v) for k, v in runs.items()},
-            "all": runs, "load": load, "pairs": result.pairs}
+            "cpu": {k: statistics.median(v) for k, v in cpu.items()}, "all": runs, "load": load, "pairs": result.pairs}
 
 
 # -- 2 and 3. the CLI as a subprocess: wall time, peak RSS ---------------------------------------
@@ -320,13 +322,14 @@ def cli_run(hit: Path, cold: Path, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         rss_file = Path(d) / "rss"
         t = time.perf_counter()
-        p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss_file), *cmd],
+        p = subprocess.run(["/usr/bin/time", "-f", "%M %U %S", "-o", str(rss_file), *cmd],
                            capture_output=True, text=True)
         wall = time.perf_counter() - t
-        rss_kb = int(rss_file.read_text().split()[-1])
+        rss_kb, user, system = rss_file.read_text().split()[-3:]  # a first line may say "exited with 1"
     if p.returncode not in (0, 1):
         raise SystemExit(f"bench_compare: {' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
-    return {"wall": wall, "rss_mb": rss_kb * 1024 / 1e6, "code": p.returncode, "json": json.loads(p.stdout),
+    return {"wall": wall, "rss_mb": int(rss_kb) * 1024 / 1e6, "cpu": float(user) + float(system),
+            "code": p.returncode, "json": json.loads(p.stdout),
             "load": (load0, os.getloadavg()[0]), "cmd": " ".join(["statediff", *cmd[3:]])}
 
 
@@ -349,7 +352,7 @@ def first_divergence(hit: Path, cold: Path, repeats: int) -> dict:
 def table(sc_small: Scenario, tp: dict, sc_big: Scenario | None, fd: dict | None,
           sizes: dict[str, int]) -> str:
     raw = 2 * sc_small.raw_bytes  # both sides decompressed
-    med = tp["median"]
+    med, cpu = tp["median"], tp["cpu"]
     mbs = {k: raw / v / 1e6 for k, v in med.items()}
     base = max(mbs["h5py"], mbs["reader"])
     ratio = mbs["compare"] / base
@@ -359,20 +362,23 @@ def table(sc_small: Scenario, tp: dict, sc_big: Scenario | None, fd: dict | None
         "(all read in full, all within tolerance); MB/s = decompressed bytes of both traces / wall "
         f"time; median of {len(tp['all']['compare'])}; load average {min(tp['load']):.1f}-{max(tp['load']):.1f}.",
         "",
-        "| loop | s | MB/s | vs fastest bare loop |",
-        "|---|---:|---:|---:|",
+        "| loop | wall s | CPU s (all threads) | MB/s | vs fastest bare loop |",
+        "|---|---:|---:|---:|---:|",
         f"| `compare()` (hash check, float64 metrics, tolerance) | {med['compare']:.1f} | "
-        f"{mbs['compare']:.0f} | {mbs['compare'] / base:.2f}x |",
+        f"{cpu['compare']:.1f} | {mbs['compare']:.0f} | {mbs['compare'] / base:.2f}x |",
         f"| bare: h5py + hdf5plugin read, `np.abs(a.astype(f64) - b.astype(f64)).max()` | "
-        f"{med['h5py']:.1f} | {mbs['h5py']:.0f} | {mbs['h5py'] / base:.2f}x |",
+        f"{med['h5py']:.1f} | {cpu['h5py']:.1f} | {mbs['h5py']:.0f} | {mbs['h5py'] / base:.2f}x |",
         f"| bare: `Trace.read(verify=False)`, same subtraction | {med['reader']:.1f} | "
-        f"{mbs['reader']:.0f} | {mbs['reader'] / base:.2f}x |",
+        f"{cpu['reader']:.1f} | {mbs['reader']:.0f} | {mbs['reader'] / base:.2f}x |",
         f"| (part of compare) `Trace.iter_blocks` of both sides, hash checked, no arithmetic | "
-        f"{med['stream']:.1f} | {mbs['stream']:.0f} | {mbs['stream'] / base:.2f}x |",
+        f"{med['stream']:.1f} | {cpu['stream']:.1f} | {mbs['stream']:.0f} | {mbs['stream'] / base:.2f}x |",
         "",
         f"Target: compare >= 0.8x the bare loop: **{'met' if ratio >= 0.8 else 'not met'}** ({ratio:.2f}x). "
         "The gap between the last row and compare is the float64 metric arithmetic "
-        "(`statediff.metrics.Accumulator`).",
+        "(`statediff.metrics.Accumulator`)."
+        + (f" compare used {cpu['compare'] / med['compare']:.1f}x its wall time in CPU: numpy's OpenBLAS "
+           "threads (`np.dot` in the metrics) spin on the other core without speeding it up."
+           if cpu["compare"] > 1.2 * med["compare"] else ""),
     ]
     if fd is not None:
         full, firsts = fd["full"], fd["firsts"]
@@ -387,19 +393,21 @@ def table(sc_small: Scenario, tp: dict, sc_big: Scenario | None, fd: dict | None
             "beyond tolerance. Each run is a `statediff compare --json` subprocess (interpreter start "
             "included); peak RSS from GNU `/usr/bin/time -f %M`.",
             "",
-            "| run | wall s | vs full | peak RSS MB | divergent reported | load avg before-after |",
-            "|---|---:|---:|---:|---:|---|",
-            f"| full compare | {full['wall']:.1f} | 1 | {full['rss_mb']:.0f} | {j['divergent']} "
+            "| run | wall s | CPU s (user+sys) | vs full (wall) | peak RSS MB | divergent reported "
+            "| load avg before-after |",
+            "|---|---:|---:|---:|---:|---:|---|",
+            f"| full compare | {full['wall']:.1f} | {full['cpu']:.1f} | 1 | {full['rss_mb']:.0f} | {j['divergent']} "
             f"({len(j['roots'])} root) | {full['load'][0]:.1f}-{full['load'][1]:.1f} |",
         ]
         for i, f in enumerate(firsts):
             lines.append(
                 f"| `--first`, run {i + 1}{' (right after the full run)' if i == 0 else ''} | {f['wall']:.2f} | "
+                f"{f['cpu']:.2f} | "
                 f"{f['wall'] / full['wall']:.2%} | {f['rss_mb']:.0f} | {f['json']['divergent']} | "
                 f"{f['load'][0]:.1f}-{f['load'][1]:.1f} |")
         lines += [
             f"| `compare(..., stop_at_first=True)` in process | {fd['lib_s']:.2f} | "
-            f"{fd['lib_s'] / full['wall']:.2%} | - | 1 | - |",
+            f"- | {fd['lib_s'] / full['wall']:.2%} | - | 1 | - |",
         ]
         share = fd["first_median"] / full["wall"]
         rss = max([full["rss_mb"]] + [f["rss_mb"] for f in firsts])
@@ -432,6 +440,7 @@ def section(text: str, args) -> str:
         "",
         text,
         "",
+        "",  # a blank line before the next section
     ])
 
 

@@ -196,3 +196,41 @@ def test_policy_describe_names_the_policy():
     assert Policy().describe().startswith("dtype defaults (float32 atol 1e-05 rtol 0.0001")
     assert Policy(exact=True).describe() == "exact: bit identity (both traces replay=exact)"
     assert Policy((parse_rule("a=1,2"),)).describe().endswith("; --tol rules first: a=1,2")
+
+
+SPECIALS = st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf])
+
+
+@given(st.lists(st.one_of(st.floats(-1e3, 1e3, width=32), SPECIALS), min_size=0, max_size=48),
+       st.data(), st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
+       st.sampled_from([FP32, EXACT, Tolerance(0.0, 1e-3, "rtol only")]))
+@settings(max_examples=200, deadline=None)
+def test_fast_path_gives_the_general_paths_metrics(values, data, dtype, tol):
+    """Pieces with only finite values take Accumulator._update_finite: same metrics, field for field."""
+    import statediff.metrics as metrics
+
+    n = len(values)
+    noise = data.draw(st.lists(st.sampled_from([0.0, 0.0, 1e-6, -1e-3, 0.5]), min_size=n, max_size=n))
+    specials = data.draw(st.lists(st.one_of(st.none(), SPECIALS), min_size=n, max_size=n))
+    a = np.array(values, dtype=np.float64)
+    b = np.array([v + e if s is None else s for v, e, s in zip(values, noise, specials)], dtype=np.float64)
+    if dtype == "bfloat16":
+        a, b = bf16(a), bf16(b)
+    else:
+        a, b = a.astype(dtype), b.astype(dtype)
+    block = data.draw(st.integers(1, max(n, 1)))
+    blocks = [(a[i:i + block], b[i:i + block]) for i in range(0, n, block)] or [(a, b)]
+    sub = metrics.SUB_ELEMS
+    general = metrics.Accumulator._update_finite
+    try:
+        metrics.SUB_ELEMS = data.draw(st.integers(1, 8))  # many pieces: fast and general ones mixed
+        with np.errstate(all="ignore"):
+            fast = compare_blocks(blocks, (n,), dtype, tol)
+            metrics.Accumulator._update_finite = lambda self, x, y: False
+            ref = compare_blocks(blocks, (n,), dtype, tol)
+    finally:
+        metrics.SUB_ELEMS, metrics.Accumulator._update_finite = sub, general
+    assert fast.to_json().keys() == ref.to_json().keys()
+    for k, v in ref.to_json().items():
+        w = fast.to_json()[k]
+        assert w == v or (isinstance(v, float) and math.isnan(v) and math.isnan(w)), (k, w, v)
