@@ -72,6 +72,20 @@ _A_LOG_RANGE = (5e-4, 5e-3)
 _INIT_STD = 0.02
 
 
+# Keys both tiny targets (hybrid and dense) share; token ids refer to the shared tokenizer.
+_COMMON_CONFIG: dict[str, Any] = {
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "initializer_range": _INIT_STD,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
 def tiny_config() -> dict[str, Any]:
     """Return the ``config.json`` contents (a plain dict, JSON-serialisable).
 
@@ -120,15 +134,7 @@ def tiny_config() -> dict[str, Any]:
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         # misc
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "initializer_range": _INIT_STD,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
+        **_COMMON_CONFIG,
     }
 
 
@@ -246,15 +252,7 @@ def tiny_dense_config() -> dict[str, Any]:
         "sliding_window": None,
         "max_window_layers": 4,
         "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "initializer_range": _INIT_STD,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": 0,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
+        **_COMMON_CONFIG,
     }
 
 

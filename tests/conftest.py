@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,14 +89,3 @@ class Recordings:
 @pytest.fixture(scope="session")
 def recordings(tmp_path_factory, tiny_model) -> Recordings:
     return Recordings(tmp_path_factory.mktemp("traces"), tiny_model)
-
-
-@pytest.fixture
-def no_color(monkeypatch):
-    monkeypatch.setenv("NO_COLOR", "1")
-
-
-def copy_trace(src: Path, dst_dir: Path) -> Path:
-    dst = dst_dir / src.name
-    shutil.copy(src, dst)
-    return dst
