@@ -50,7 +50,7 @@ import h5py
 import hdf5plugin  # noqa: F401  registers the Zstandard filter for the bare h5py loop
 import numpy as np
 
-from statediff.compare import compare
+from statediff.diff.compare import compare
 from statediff.trace import TraceWriter, open_trace
 
 from perfdoc import DOC, replace_section  # benchmarks/perfdoc.py (this script's folder)
@@ -375,7 +375,7 @@ def table(sc_small: Scenario, tp: dict, sc_big: Scenario | None, fd: dict | None
         "",
         f"Target: compare >= 0.8x the bare loop: **{'met' if ratio >= 0.8 else 'not met'}** ({ratio:.2f}x). "
         "The gap between the last row and compare is the float64 metric arithmetic "
-        "(`statediff.metrics.Accumulator`)."
+        "(`statediff.diff.metrics.Accumulator`)."
         + (f" compare used {cpu['compare'] / med['compare']:.1f}x its wall time in CPU: numpy's OpenBLAS "
            "threads (`np.dot` in the metrics) spin on the other core without speeding it up."
            if cpu["compare"] > 1.2 * med["compare"] else ""),

@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> None:
     """One replay in this process; prints a JSON line."""
     import torch
 
-    from statediff_hooks.demo import demo_conversation
+    from statediff_hooks.drivers.demo import demo_conversation
     from statediff_hooks.vllm.replay import engine_kwargs, replay
 
     torch.set_flush_denormal(True)
@@ -82,7 +82,7 @@ def run_child(model: Path, mode: str, *, trace: Path | None, exact=False, split=
 
 
 def build_models(root: Path) -> tuple[Path, Path]:
-    from statediff_hooks.tinymodel import build_tiny_model
+    from statediff_hooks.tiny.model import build_tiny_model
 
     tiny = build_tiny_model(root / "tiny", seed=0)
     larger = root / "larger"
@@ -188,7 +188,7 @@ def main() -> None:
 
 def _per_boundary_raw(trace: Path) -> float:
     """Mean raw bytes recorded per (request, boundary position)."""
-    from statediff.dtypes import storage_dtype
+    from statediff.trace.dtypes import storage_dtype
     from statediff.trace import open_trace
 
     with open_trace(trace) as t:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from statediff.diverge import shared_prefix
-from statediff.dtypes import round_to_bf16
+from statediff.diff.diverge import shared_prefix
+from statediff.trace.dtypes import round_to_bf16
 from statediff.trace.schema import TensorEntry
 from statediff.trace.writer import TraceWriter
 

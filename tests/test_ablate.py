@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from statediff.cli import cli
-from statediff_hooks.ablate import AblationResult, Row, load_matrix, variant_argv
+from statediff_hooks.drivers.ablate import AblationResult, Row, load_matrix, variant_argv
 
 from conftest import run_cli
 

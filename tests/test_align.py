@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from statediff.align import align, check_comparable
-from statediff.diverge import classify, shared_prefix
+from statediff.diff.align import align, check_comparable
+from statediff.diff.diverge import classify, shared_prefix
 from statediff.errors import MismatchError
 
 from synth import entry

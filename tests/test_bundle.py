@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from statediff.bundle import compare_bundle, extract, open_bundle
+from statediff.incident.bundle import compare_bundle, extract, open_bundle
 from statediff.cli import cli
-from statediff.compare import compare
+from statediff.diff.compare import compare
 from statediff.errors import StatediffError
 from statediff.trace import open_trace
 from synth import Fault, write_trace
@@ -271,9 +271,9 @@ def test_heatmap_scores_carry_the_ulp_distance_of_divergent_pairs(tmp_path):
 
 
 def test_without_matplotlib_the_heatmap_is_skipped_with_a_note(pair, tmp_path, monkeypatch):
-    import statediff.bundle
+    import statediff.incident.bundle
 
-    monkeypatch.setattr(statediff.bundle, "have_matplotlib", lambda: False)
+    monkeypatch.setattr(statediff.incident.bundle, "have_matplotlib", lambda: False)
     res = extract(pair["hit"], pair["cold"], tmp_path / "b.zip")
     note = "heatmap skipped: matplotlib is not installed (pip install 'statediff[plot]')"
     assert res.notes == [note]

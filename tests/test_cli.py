@@ -162,12 +162,12 @@ def test_plugin_command_is_loaded_lazily(monkeypatch):
 
 
 def test_unexpected_errors_are_one_line_unless_debug(traces, monkeypatch):
-    import statediff.compare
+    import statediff.diff.compare
 
     def boom(*a, **k):
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(statediff.compare, "compare", boom)
+    monkeypatch.setattr(statediff.diff.compare, "compare", boom)
     r = run("compare", traces["clean"], traces["cold"])
     one_line_error(r, "unexpected RuntimeError: kaboom (set STATEDIFF_DEBUG=1 for a traceback)")
     r = run("compare", traces["clean"], traces["cold"], env={"STATEDIFF_DEBUG": "1"})

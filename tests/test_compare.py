@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from statediff.compare import compare
+from statediff.diff.compare import compare
 from statediff.errors import MismatchError, StatediffError
-from statediff.noise import calibrate, load_noise
+from statediff.diff.calibrate import calibrate
+from statediff.diff.noise import load_noise
 from statediff.trace.reader import open_trace
 from synth import NAN_INDEX, Fault, write_trace
 

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 import statediff
 from statediff.cli import cli
-from statediff.compare import compare
-from statediff.incident import FIELD_LABELS, incident_report, record_command
+from statediff.diff.compare import compare
+from statediff.incident.record import FIELD_LABELS, incident_report, record_command
 from statediff.trace import open_trace
 from synth import Fault, write_trace
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from synth import entry
 
 from statediff.errors import StatediffError, TraceError
-from statediff.metrics import compare_arrays, compare_blocks, measure_pair, paired_blocks
-from statediff.tolerance import Policy, Rule, Tolerance, dtype_default, parse_rule
+from statediff.diff.metrics import compare_arrays, compare_blocks, measure_pair, paired_blocks
+from statediff.diff.tolerance import Policy, Rule, Tolerance, dtype_default, parse_rule
 from statediff.trace.reader import open_trace
 from statediff.trace.writer import TraceWriter
 
@@ -207,7 +207,7 @@ SPECIALS = st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf])
 @settings(max_examples=200, deadline=None)
 def test_fast_path_gives_the_general_paths_metrics(values, data, dtype, tol):
     """Pieces with only finite values take Accumulator._update_finite: same metrics, field for field."""
-    import statediff.metrics as metrics
+    import statediff.diff.metrics as metrics
 
     n = len(values)
     noise = data.draw(st.lists(st.sampled_from([0.0, 0.0, 1e-6, -1e-3, 0.5]), min_size=n, max_size=n))

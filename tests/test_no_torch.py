@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys, tempfile
 sys.path.insert(0, {tests!r})
-import statediff, statediff.cli, statediff.compare
+import statediff, statediff.cli, statediff.diff.compare
 from synth import Fault, write_pair
 d = tempfile.mkdtemp()
 hit, cold = write_pair(d, faults=[Fault("prev_block", 2, 1)])
-result = statediff.compare.compare(hit, cold)
+result = statediff.diff.compare.compare(hit, cold)
 assert result.exit_code == 1 and result.first.key == (2, 80, 1, "gdn.ssm_state"), result.to_text()
 code = statediff.cli.cli.main(["compare", str(hit), str(cold), "--json"], standalone_mode=False)
 assert code == 1, code

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from statediff.compare import compare
+from statediff.diff.compare import compare
 from statediff.trace import open_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"

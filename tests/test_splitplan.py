@@ -3,7 +3,7 @@
 import pytest
 
 from statediff.errors import StatediffError
-from statediff.splitplan import cold_splits, decode_filled
+from statediff.replay.splitplan import cold_splits, decode_filled
 
 
 def req(prompt, chunks, hit=0, out=()):

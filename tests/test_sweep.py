@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from statediff.cli import cli
 from statediff.errors import StatediffError
-from statediff.sweep import FIRST_TOKEN, boundary_sweep, expected_hits, replay_boundary, sweep_lengths
+from statediff.replay.sweep import FIRST_TOKEN, boundary_sweep, expected_hits, replay_boundary, sweep_lengths
 from statediff.trace import open_trace
-from statediff_hooks.sweep import model_vocab_size, special_token_ids
+from statediff_hooks.drivers.sweep import model_vocab_size, special_token_ids
 
 from conftest import run_cli
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statediff.dtypes import STORAGE, ordered_bits, round_to_bf16, to_float
+from statediff.trace.dtypes import STORAGE, ordered_bits, round_to_bf16, to_float
 from statediff.errors import TraceError
 from statediff.trace import TraceWriter, open_trace
 from statediff.trace.fingerprint import Fingerprint, fingerprint

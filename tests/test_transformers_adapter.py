@@ -24,16 +24,16 @@ except ImportError:  # engine tests must run in CI; a missing engine fails unles
     raise
 
 from statediff.cli import cli
-from statediff.compare import compare
-from statediff.conversation import Turn
-from statediff.dtypes import to_float
+from statediff.diff.compare import compare
+from statediff.replay.conversation import Turn
+from statediff.trace.dtypes import to_float
 from statediff.errors import StatediffError, TraceError
 from statediff.trace import open_trace
-from statediff_hooks import hf_cache
-from statediff_hooks.demo import demo_conversation
-from statediff_hooks.dflash import Acceptance, greedy_accepted
-from statediff_hooks.tinymodel import build_tiny_model
-from statediff_hooks.transformers_adapter import config_digest, plan_chunks, record_transformers
+from statediff_hooks.transformers import prefix_store as hf_cache
+from statediff_hooks.drivers.demo import demo_conversation
+from statediff_hooks.transformers.dflash import Acceptance, greedy_accepted
+from statediff_hooks.tiny.model import build_tiny_model
+from statediff_hooks.transformers.adapter import config_digest, plan_chunks, record_transformers
 
 # The first 3 requests of the built-in conversation at block size 32 (as in test_vllm_record.py).
 PROMPT_LENS = [459, 568, 695]
@@ -210,7 +210,7 @@ def test_resumed_state_keys_and_layouts(runs):
 
 
 def test_drafter_rows_follow_the_vllm_row_rule(runs):
-    from statediff_hooks.transformers_adapter import WINDOW, drafter_row_kept
+    from statediff_hooks.transformers.adapter import WINDOW, drafter_row_kept
 
     hit_path, hit = runs.get("hit", "hit")
     cold_path, _ = runs.get("cold", "cold")
@@ -278,7 +278,7 @@ def test_verify_loop_accepts_rolls_back_and_stays_lossless(model_dir, monkeypatc
     """An oracle proposer (the target's own greedy continuation, third draft wrong every other call)
     drives the verify loop through full acceptance and through rollback; the output must equal
     plain greedy decoding and the counters must say exactly what was accepted."""
-    import statediff_hooks.transformers_adapter as adapter
+    import statediff_hooks.transformers.adapter as adapter
 
     ref = record_transformers(demo_conversation(16)[:1], model_dir, trace=None, mode="cold", threads=1)
     ref_out, P = ref.output_token_ids[0], ref.prompt_lens[0]

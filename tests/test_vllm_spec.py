@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from statediff.dtypes import to_float
+from statediff.trace.dtypes import to_float
 from statediff.trace import open_trace
 
 from conftest import ENGINE_ENV, require_engine, run_cli

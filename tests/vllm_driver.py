@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from statediff_hooks.demo import demo_conversation
+from statediff_hooks.drivers.demo import demo_conversation
 from statediff_hooks.vllm.replay import engine_kwargs, replay
 
 if __name__ == "__main__":

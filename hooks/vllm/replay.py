@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from statediff.conversation import Turn
+from statediff.replay.conversation import Turn
 from statediff.errors import StatediffError
 
 from ..recorder import RecorderConfig
@@ -145,7 +145,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     Exact replay has two forms. ``exact``: one block per step in both runs.
     ``exact_split``: the hit run keeps the engine's chunking, and the cold run
     (``split_like`` = that hit trace) splits each prefill at the chunk ends
-    the hit run's state went through (``statediff.splitplan``), so long
+    the hit run's state went through (``statediff.replay.splitplan``), so long
     prompts do not pay one step per block.
 
     Raises:
@@ -246,7 +246,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
 
 def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]]:
     """Cold-run split points from the hit trace; its prompts must be this replay's."""
-    from statediff.splitplan import cold_splits
+    from statediff.replay.splitplan import cold_splits
     from statediff.trace import open_trace
 
     with open_trace(hit_trace) as t:

@@ -9,7 +9,7 @@ of tokens the request computes this step. ``Request.cache_salt``
 (``v1/request.py``) identifies the replayed request: the cold replay salts
 request ``i`` with ``statediff-cold-<run>-<i>``.
 
-Clipping further at the planned split points (``statediff.splitplan``)
+Clipping further at the planned split points (``statediff.replay.splitplan``)
 only shortens chunks, which the scheduler already does for its own
 reasons, so it cannot make a schedule the engine would not make itself.
 """

@@ -31,7 +31,7 @@ import h5py
 import hdf5plugin  # noqa: F401  registers the Zstandard filter (id 32015) for other HDF5 tools
 import numpy as np
 
-from ..dtypes import STORAGE, storage_dtype
+from statediff.trace.dtypes import STORAGE, storage_dtype
 from ..errors import TraceError
 from .fingerprint import new_hasher
 from .schema import (

@@ -93,7 +93,7 @@ class TensorEntry:
     ``position`` is the number of tokens of the request the tensor
     summarises (a GDN state after ``position`` tokens; a K/V block covering
     tokens ``[token_start, position)``). ``shape`` and ``dtype`` are logical;
-    the stored array has the storage dtype of ``statediff.dtypes.STORAGE``.
+    the stored array has the storage dtype of ``statediff.trace.dtypes.STORAGE``.
     """
 
     request: int

@@ -36,7 +36,7 @@ import h5py
 import numpy as np
 
 from .. import __version__
-from ..dtypes import storage_dtype
+from statediff.trace.dtypes import storage_dtype
 from ..errors import TraceError
 from .schema import (
     FORMAT_NAME,

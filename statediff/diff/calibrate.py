@@ -1,0 +1,114 @@
+"""``calibrate``: measure the benign differences of two legitimate cold runs.
+
+The envelopes it learns are ``noise.Envelope`` rows written as a noise file
+(format in ``noise.py``), which ``compare --noise`` then judges pairs by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from statediff.errors import StatediffError
+from statediff.jsonutil import jsonable
+from statediff.trace.reader import open_trace
+from statediff.trace.schema import IDENTITY_KEYS
+
+from .align import align, check_comparable, fed_same_tokens
+from .metrics import measure_pair
+from .noise import FORMAT, VERSION, Envelope
+from .tolerance import Tolerance
+
+_EXACT = Tolerance(0.0, 0.0, "calibration")
+
+
+@dataclasses.dataclass
+class CalibrateResult:
+    """Outcome of ``calibrate``: the envelopes and what was skipped."""
+
+    traces: tuple[str, str]
+    identity: dict[str, Any]
+    envelopes: list[Envelope]
+    pairs: int
+    identical: int
+    warnings: list[str]
+    out: str | None = None
+    exit_code: int = 0
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "traces": list(self.traces),
+                "identity": self.identity, "pairs": self.pairs, "identical": self.identical,
+                "warnings": self.warnings,
+                "envelopes": [dataclasses.asdict(e) for e in self.envelopes]}
+
+    def to_text(self) -> str:
+        lines = [f"calibrated {len(self.envelopes)} (layer, kind) envelopes from {self.pairs} pairs "
+                 f"({self.identical} bit-identical) of {self.traces[0]} vs {self.traces[1]}"]
+        if self.out:
+            lines.append(f"written to {self.out}")
+        lines += [f"warning: {w}" for w in self.warnings]
+        lines.append(f"  {'layer':>5}  {'kind':<16} {'dtype':<9} {'pairs':>5}  {'max abs':>10}  "
+                     f"{'rel L2':>10}  {'max ULP':>8}  {'min cos':>9}")
+        for e in self.envelopes:
+            lines.append(f"  {e.layer:>5}  {e.kind:<16} {e.dtype:<9} {e.pairs:>5}  {e.max_abs:>10.3g}  "
+                         f"{e.rel_l2:>10.3g}  {'-' if e.max_ulp is None else e.max_ulp:>8}  "
+                         f"{e.min_cosine:>9.6f}")
+        return "\n".join(lines)
+
+
+def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = None) -> CalibrateResult:
+    """Measure the benign differences of two legitimate cold runs.
+
+    Args:
+        a_path, b_path: traces of the same model and replay mode.
+        out: where to write the noise file (JSON), or None.
+
+    Raises:
+        TraceError, MismatchError: unreadable or incomparable traces.
+        StatediffError: the output file cannot be written.
+    """
+    with open_trace(a_path) as a, open_trace(b_path) as b:
+        warnings = check_comparable(a, b, names=("first", "second"))
+        for t in (a, b):
+            if t.run.get("mode") not in (None, "cold"):
+                warnings.append(f"{t.path} is a {t.run.get('mode')!r} run, not a cold run")
+        plan = align(a.entries, b.entries)
+        envs: dict[tuple[int, str], Envelope] = {}
+        identical = diverged_tokens = 0
+        for p in plan.pairs:
+            if not fed_same_tokens(a.requests, b.requests, p.cold.request, p.cold.position):
+                # Once greedy outputs differ, later states summarise other tokens:
+                # that is not noise, and would inflate the envelope past real bugs.
+                diverged_tokens += 1
+                continue
+            if not p.same_layout:
+                warnings.append(f"skipped {p.cold.label()}: dtype/shape differ")
+                continue
+            m = measure_pair(a, p.hit, b, p.cold, _EXACT)
+            identical += m.identical
+            key = (p.cold.layer, p.cold.kind)
+            env = envs.setdefault(key, Envelope(p.cold.layer, p.cold.kind, p.cold.module, p.cold.dtype))
+            env.add(m)
+        if diverged_tokens:
+            warnings.append(f"{diverged_tokens} pairs skipped: their token prefixes differ between the runs "
+                            "(greedy outputs diverged earlier)")
+        n_unpaired = len(plan.hit_only) + len(plan.cold_only)
+        if n_unpaired:
+            warnings.append(f"{n_unpaired} tensors had no counterpart and were not calibrated")
+        for env in envs.values():
+            if env.nonfinite:
+                warnings.append(f"layer {env.layer} {env.kind}: {env.nonfinite} elements NaN/Inf in one run "
+                                "only (always a divergence; not part of the envelope)")
+        identity = {k: a.run.get(k) for k in IDENTITY_KEYS + ("replay",)}
+        result = CalibrateResult((str(a_path), str(b_path)), identity,
+                                 sorted(envs.values(), key=lambda e: (e.layer, e.kind)),
+                                 len(plan.pairs), identical, warnings)
+    if out is not None:
+        try:
+            Path(out).write_text(json.dumps(jsonable(result.to_json()), indent=1, sort_keys=True))
+        except OSError as e:
+            raise StatediffError(f"cannot write noise file {out}: {e.strerror or e}") from None
+        result.out = str(out)
+    return result

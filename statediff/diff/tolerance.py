@@ -1,0 +1,167 @@
+"""Tolerances: which elementwise threshold a pair of tensors is judged by.
+
+An element diverges when ``|hit - cold| > atol + rtol * |cold|`` (the cold
+run is the reference), or when it is NaN/Inf on one side only. A tolerance
+of ``atol == rtol == 0`` means *bit identity*: any differing bit diverges.
+
+The policy picks, for each pair, the first that applies of:
+
+1. ``--tol`` rules, in the order given (first match wins);
+2. the noise file's envelope for the pair's (layer, kind) (see ``noise.py``);
+3. bit identity, when both traces were recorded with ``replay == "exact"``;
+4. the dtype default (``DEFAULTS``).
+
+Every tensor ends in one of these, so nothing goes unjudged.
+
+Rule syntax (``--tol``): ``PATTERN=ATOL,RTOL``, e.g. ``gdn.ssm_state=1e-6,1e-5``
+or ``attn.*=0,0``. PATTERN is an fnmatch glob matched against the tensor
+kind (``gdn.ssm_state``), the module name (``model.layers.3.*``) or
+``MODULE:KIND`` (``model.layers.0.*:gdn.conv_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import TYPE_CHECKING, Protocol
+
+from statediff.errors import StatediffError
+
+if TYPE_CHECKING:
+    from statediff.trace.schema import TensorEntry
+
+# logical dtype -> (atol, rtol). Integers and bools must match exactly.
+DEFAULTS: dict[str, tuple[float, float]] = {
+    "float64": (1e-8, 1e-7),
+    "float32": (1e-5, 1e-4),
+    "float16": (1e-3, 5e-3),
+    "bfloat16": (1e-2, 2e-2),
+    "float8_e4m3fn": (6e-2, 1.25e-1),
+    "float8_e5m2": (1.25e-1, 2.5e-1),
+}
+
+
+def dtype_default(dtype: str) -> tuple[float, float]:
+    """(atol, rtol) for a logical dtype; (0, 0) (exact) for integers and bool."""
+    return DEFAULTS.get(dtype, (0.0, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """The threshold one pair is judged by, and where it came from.
+
+    Attributes:
+        atol, rtol: absolute (in the tensor's units) and relative thresholds.
+        source: human-readable origin, e.g. "dtype default bfloat16",
+            "--tol attn.*", "exact: bit identity", "noise envelope x4".
+        noise_max_abs: the calibrated benign max abs error of this
+            (layer, kind), when a noise envelope applied (else None).
+    """
+
+    atol: float
+    rtol: float
+    source: str
+    noise_max_abs: float | None = None
+
+    @property
+    def exact(self) -> bool:
+        """True when any differing bit counts as a divergence."""
+        return self.atol == 0.0 and self.rtol == 0.0
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"bit identity ({self.source})"
+        return f"atol {self.atol:.3g} rtol {self.rtol:.3g} ({self.source})"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"exact": self.exact}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One ``--tol`` rule: an fnmatch pattern and its (atol, rtol)."""
+
+    pattern: str
+    atol: float
+    rtol: float
+
+    def matches(self, entry: "TensorEntry") -> bool:
+        names = (entry.kind, entry.module, f"{entry.module}:{entry.kind}")
+        return any(fnmatch.fnmatchcase(n, self.pattern) for n in names)
+
+    def __str__(self) -> str:
+        return f"{self.pattern}={self.atol:g},{self.rtol:g}"
+
+
+def parse_rule(text: str) -> Rule:
+    """Parse ``PATTERN=ATOL,RTOL`` (see the module docstring).
+
+    Raises:
+        StatediffError: malformed text, or a negative / non-finite number.
+    """
+    pattern, sep, nums = text.partition("=")
+    parts = nums.split(",")
+    if not sep or not pattern.strip() or len(parts) != 2:
+        raise StatediffError(f"--tol {text!r}: expected PATTERN=ATOL,RTOL (e.g. 'gdn.ssm_state=1e-6,1e-5')")
+    try:
+        atol, rtol = (float(p) for p in parts)
+    except ValueError:
+        raise StatediffError(f"--tol {text!r}: ATOL and RTOL must be numbers") from None
+    if not (0 <= atol < float("inf") and 0 <= rtol < float("inf")):
+        raise StatediffError(f"--tol {text!r}: ATOL and RTOL must be finite and >= 0")
+    return Rule(pattern.strip(), atol, rtol)
+
+
+class Envelopes(Protocol):
+    """What the policy needs of calibrated noise (``noise.NoiseModel`` implements it)."""
+
+    def tolerance_for(self, entry: "TensorEntry") -> "Tolerance | None":
+        """The tolerance for a pair whose cold side is ``entry``; None without an envelope."""
+
+    def describe(self) -> str:
+        """One line naming the noise file and factor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Chooses the tolerance of each pair (order in the module docstring).
+
+    Attributes:
+        rules: ``--tol`` rules, first match wins.
+        exact: both traces replayed exactly: expect bit identity.
+        noise: calibrated noise envelopes, or None.
+    """
+
+    rules: tuple[Rule, ...] = ()
+    exact: bool = False
+    noise: "Envelopes | None" = None
+
+    def for_entry(self, entry: "TensorEntry") -> Tolerance:
+        """Tolerance for the pair whose cold side is ``entry``."""
+        for rule in self.rules:
+            if rule.matches(entry):
+                return Tolerance(rule.atol, rule.rtol, f"--tol {rule.pattern}")
+        if self.noise is not None:
+            tol = self.noise.tolerance_for(entry)
+            if tol is not None:
+                return tol
+        if self.exact:
+            return Tolerance(0.0, 0.0, "exact replay")
+        atol, rtol = dtype_default(entry.dtype)
+        return Tolerance(atol, rtol, f"dtype default {entry.dtype}")
+
+    def describe(self) -> str:
+        """One line naming the policy, as the report states it."""
+        if self.noise is not None:
+            base = self.noise.describe()
+            if self.exact:
+                base += " (exact replay: bit identity where the file has no envelope)"
+        elif self.exact:
+            base = "exact: bit identity (both traces replay=exact)"
+        else:
+            base = "dtype defaults (" + "; ".join(
+                f"{d} atol {a:g} rtol {r:g}" for d, (a, r) in DEFAULTS.items()
+                if d in ("float32", "bfloat16", "float16")) + "; integers exact)"
+        if self.rules:
+            base += "; --tol rules first: " + ", ".join(str(r) for r in self.rules)
+        return base

@@ -1,0 +1,124 @@
+"""Replay files: an ordered conversation, one request per JSONL line.
+
+Each line is a JSON object, either pre-tokenised::
+
+    {"prompt_token_ids": [1, 2, 3], "max_tokens": 16}
+
+or OpenAI-style chat, rendered with the model's chat template::
+
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [...], "max_tokens": 16}
+
+Optional keys: ``id`` (a label), ``max_tokens`` (default 16),
+``temperature`` (default 0: greedy), ``top_p``, ``top_k``, ``seed``.
+Requests are replayed in file order on a fresh engine, one at a time, so a
+later request can hit the prefix cache filled by the earlier ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from statediff.errors import StatediffError
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+@dataclasses.dataclass
+class Turn:
+    """One replayed request: exactly one of ``prompt_token_ids`` / ``messages`` is set."""
+
+    line: int
+    id: str
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = {"id": self.id, **self.sampling}
+        if self.prompt_token_ids is not None:
+            d["prompt_token_ids"] = self.prompt_token_ids
+        else:
+            d["messages"] = self.messages
+            if self.tools:
+                d["tools"] = self.tools
+        return d
+
+
+def _fail(path: Path, line: int, msg: str) -> StatediffError:
+    return StatediffError(f"{path}:{line}: {msg}")
+
+
+def parse_turn(obj: Any, path: Path, line: int) -> Turn:
+    """Validate one decoded JSONL line.
+
+    Raises:
+        StatediffError: the line is not a request object of either form.
+    """
+    if not isinstance(obj, dict):
+        raise _fail(path, line, "expected a JSON object per line")
+    has_ids, has_msgs = "prompt_token_ids" in obj, "messages" in obj
+    if has_ids == has_msgs:
+        raise _fail(path, line, "needs exactly one of 'prompt_token_ids' or 'messages'")
+    sampling = {"max_tokens": 16, "temperature": 0.0}
+    for key in SAMPLING_KEYS:
+        if key in obj:
+            val = obj[key]
+            if not isinstance(val, (int, float)) or isinstance(val, bool):
+                raise _fail(path, line, f"'{key}' must be a number")
+            sampling[key] = val
+    if sampling["max_tokens"] < 1:
+        raise _fail(path, line, "'max_tokens' must be at least 1")
+    turn = Turn(line=line, id=str(obj.get("id", f"turn-{line}")), sampling=sampling)
+    if has_ids:
+        ids = obj["prompt_token_ids"]
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise _fail(path, line, "'prompt_token_ids' must be a non-empty list of token ids")
+        turn.prompt_token_ids = ids
+    else:
+        msgs = obj["messages"]
+        if (not isinstance(msgs, list) or not msgs
+                or not all(isinstance(m, dict) and "role" in m for m in msgs)):
+            raise _fail(path, line, "'messages' must be a non-empty list of {role, content} objects")
+        turn.messages = msgs
+        tools = obj.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _fail(path, line, "'tools' must be a list")
+        turn.tools = tools
+    return turn
+
+
+def load_conversation(path: str | Path) -> list[Turn]:
+    """Read a replay file.
+
+    Raises:
+        StatediffError: missing/unreadable file, invalid JSON, a bad line, or no requests.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise StatediffError(f"cannot read conversation file {p}: {e.__class__.__name__}: {e}") from None
+    turns = []
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise _fail(p, n, f"invalid JSON ({e.msg})") from None
+        turns.append(parse_turn(obj, p, n))
+    if not turns:
+        raise StatediffError(f"{p} holds no requests")
+    return turns
+
+
+def dump_conversation(turns: list[Turn], path: str | Path) -> None:
+    """Write turns as a replay file (one JSON object per line)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for t in turns:
+            f.write(json.dumps(t.to_json()) + "\n")
