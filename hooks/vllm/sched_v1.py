@@ -1,4 +1,29 @@
-"""Adapter for vLLM 0.32's V1 scheduler: split a cold run's prefills where the hit run did.
+"""Adapter for vLLM 0.32's V1 scheduler: exact replay's chunking.
+
+Two ways to make a hit run and its cold run compute every prefill in the
+same pieces: one block per step (``one_block_per_step``, ``--exact``), or
+a cold run that splits its prefills where the hit run did (``wrap_split``,
+``--exact-split``).
+
+One block per step. The block size that matters is the one the engine
+runs with, and vLLM 0.32 raises a hybrid model's attention block size at
+engine start, after the model is built (``platforms/interface.py``
+``_align_hybrid_block_size``, from ``update_block_size_for_backend``);
+``EngineArgs.create_engine_config()`` does not apply the raise, so the
+size cannot be known before the engine starts without re-implementing
+vLLM's rule. The scheduler (``Scheduler.__init__``, built by
+``EngineCore.__init__`` after the KV caches, so it already sees the raised
+``cache_config.block_size``) reads its per-step budget once into
+``self.max_num_scheduled_tokens`` (from ``scheduler_config
+.max_num_scheduled_tokens``, else ``max_num_batched_tokens``). Lowering that
+budget to the real block size right after the scheduler is built is exact
+(no guess, in every process layout, with no second engine start: a second
+start would load the model twice and, on a GPU, need the first engine's
+memory back) and safe (the engine's buffers are sized by the larger
+``max_num_batched_tokens``, which stays). It is recorded in
+``scheduler_config.max_num_scheduled_tokens`` too, vLLM's own field for
+"tokens the scheduler may issue per step", where the runner's run
+metadata reads it.
 
 Mirrors ``v1/core/sched/scheduler.py`` (vLLM 0.32.0):
 ``Scheduler._mamba_block_aligned_split(request, num_new_tokens,
@@ -23,6 +48,60 @@ import os
 from typing import Any
 
 SALT_PREFIX = "statediff-cold-"
+#: Set to "1" by ``replay(exact=True)``: every engine process schedules one block per step.
+EXACT_ENV = "STATEDIFF_EXACT_BLOCK"
+
+
+class ExactReplayError(RuntimeError):
+    """The engine cannot be scheduled one block per step (message: one line)."""
+
+
+def exact_wanted(env: dict[str, str] | None = None) -> bool:
+    """Whether ``STATEDIFF_EXACT_BLOCK=1`` asks for one block per step."""
+    return (os.environ if env is None else env).get(EXACT_ENV) == "1"
+
+
+def one_block_per_step(sched: Any) -> int:
+    """Set a freshly built V1 ``Scheduler``'s per-step token budget to its block size.
+
+    Args:
+        sched: ``vllm.v1.core.sched.scheduler.Scheduler`` right after its
+            ``__init__`` (``cache_config.block_size`` is then the effective,
+            possibly raised, attention block size; in mamba cache mode
+            ``align`` also the mamba block size).
+
+    Returns:
+        The budget set (tokens): the block size.
+
+    Raises:
+        ExactReplayError: chunked prefill is off (a prompt longer than one
+            block could then never be scheduled), or the engine's budget is
+            smaller than one block (its buffers cannot hold a block).
+    """
+    block = int(sched.cache_config.block_size)
+    budget = int(sched.max_num_scheduled_tokens)
+    if not sched.scheduler_config.enable_chunked_prefill:
+        raise ExactReplayError("exact replay (one block per step) needs chunked prefill; "
+                               "the engine runs with enable_chunked_prefill=False")
+    if budget < block:
+        raise ExactReplayError(
+            f"exact replay schedules one block ({block} tokens, the engine's block size) per step, "
+            f"but the engine's step budget is {budget} tokens: pass --max-num-batched-tokens {block} "
+            "or more")
+    sched.max_num_scheduled_tokens = block
+    sched.scheduler_config.max_num_scheduled_tokens = block
+    return block
+
+
+def wrap_init_exact(orig: Any) -> Any:
+    """Wrapper for ``Scheduler.__init__`` applying ``one_block_per_step`` after it."""
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *a: Any, **kw: Any) -> None:
+        orig(self, *a, **kw)
+        one_block_per_step(self)
+
+    return __init__
 
 
 def cold_salt(run_id: str, index: int) -> str:

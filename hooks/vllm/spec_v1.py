@@ -71,7 +71,8 @@ from typing import Any
 
 import torch
 
-from ..faults import FAULTS
+from ..faults import Site
+from .faults_v1 import FeatureRows
 
 KIND = "drafter.input"
 ROLE = "drafter"
@@ -217,22 +218,17 @@ class SpecCapture:
 
     def _maybe_fault(self, sr: Any, feats: list[torch.Tensor], offset: int, verified: int) -> None:
         """``drafter-perturb``: negate one tapped layer's rows right after the first eligible hit."""
-        f = self.rec.config.fault
-        if self.cap.fault_done or f is None or f.name != "drafter-perturb":
+        planter = self.cap.faults
+        if not planter.wants("drafter") or not sr.hit or sr.start != sr.hit:
             return
-        if not sr.hit or sr.start != sr.hit or sr.hit < f.min_blocks * self.block_size:
-            return
-        if f.request is not None and f.request != sr.index:
-            return
+        f = planter.spec
         layer = self.layers[0] if f.layer is None else f.layer
         if layer not in self.layers:
             return
         n = min(verified, max(1, min(self.window, self.block_size)))
         k = self.layers.index(layer)
-        feats[k][offset:offset + n].neg_()  # in place: the drafter reads these rows next
-        self.cap.fault_done = True
-        self.rec.note_fault(request=sr.index, position=sr.hit + 1, layer=layer, module=self.modules[k],
-                            kind=KIND, rows=[sr.hit + 1, sr.hit + n], description=FAULTS[f.name][2])
+        site = Site(sr.index, sr.hit, layer, self.modules[k], self.block_size, "drafter")
+        planter.plant(site, FeatureRows(feats[k], offset, n))  # in place: the drafter reads these rows next
 
 
 def _rows(sampled: Any) -> list[list[int]]:

@@ -16,10 +16,22 @@ Every coupling to vLLM internals lives here. It mirrors, in vLLM 0.32.0:
   ``k - 1`` holds the checkpoint for position ``k * block_size``; and right
   after ``preprocess_mamba`` of a cache-hit step, block
   ``mamba_state_idx[req_id]`` holds the state the hit resumes from.
+- ``v1/worker/block_table.py``: ``input_batch.block_table[g]`` is the runner's
+  block table of KV-cache group ``g``: host rows ``block_table.np`` built by
+  ``_update_states`` from the request's block ids, copied to the device by
+  ``commit_block_table`` at the start of ``_prepare_inputs``; the attention
+  kernel and the slot mapping read the device copy
+  (``get_device_tensor``). At a hit, K/V are read through that device row
+  after ``_prepare_inputs`` (``after_prepare_inputs``), not through the
+  scheduler's ``block_ids``.
 - ``v1/core/sched/output.py``: ``SchedulerOutput.scheduled_new_reqs``
   (``NewRequestData``: ``num_computed_tokens`` = prefix-cache hit length),
   ``scheduled_cached_reqs.num_computed_tokens``, ``num_scheduled_tokens``,
-  ``finished_req_ids``.
+  ``finished_req_ids``; ``NewRequestData.sampling_params.logprobs`` (k asked).
+- ``v1/outputs.py``: ``ModelRunnerOutput`` (``req_ids``, ``req_id_to_index``,
+  ``sampled_token_ids``, ``logprobs``: ``LogprobsLists`` of the sampled token
+  then the batch's top-k per generated token); ``GPUModelRunner._sample(logits,
+  spec_decode_metadata)`` is where the ``logits`` fault edits the sampler's input.
 - ``v1/attention/backends/cpu_attn.py``: layer cache
   ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose per-head
   memory is K rows then V rows (``view(nb, h, 2 * bs, hd).chunk(2, dim=2)``).
@@ -37,10 +49,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..faults import FAULTS
+from statediff.trace.schema import MAX_LOGPROBS_K
+
+from ..digest import digest_rows
+from ..faults import FaultPlanter, Site
 from ..recorder import Recorder, layer_index
+from .faults_v1 import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow
 from .spec_v1 import SpecCapture
 
 VERIFIED_VERSIONS = ("0.32.0",)
@@ -48,7 +65,7 @@ RUNNER_NAME = "vllm-v1-gpu_model_runner"
 
 # Attention backends whose layer cache is [nb, h, bs, 2*hd] with per-head K rows then V rows.
 _HEAD_HALVES = {"CPU_ATTN"}
-# CPU attention kernels whose cache layout kv_block() reads (tests/test_vllm_kv_layout.py).
+# CPU attention kernels whose cache layout kv_block() reads (tests/hooks/vllm/test_vllm_kv_layout.py).
 _CPU_ISAS = {"vec"}
 # Backends whose last axis holds K then V (the V1 GPU default layout).
 _LAST_AXIS = {"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION", "ROCM_ATTN"}
@@ -140,6 +157,26 @@ def kv_block(cache: torch.Tensor, backend: str, block_id: int) -> tuple[torch.Te
     return blk[..., : c // 2], blk[..., c // 2:]
 
 
+def kv_blocks(cache: torch.Tensor, backend: str, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of several blocks, each ``[B, num_kv_heads, block_size, head_size]`` (token rows).
+
+    ``block_ids``: int64 ``[B]`` on the cache's device. One gather (a device
+    copy of the B blocks, no host copy); row ``b`` equals ``kv_block(cache,
+    backend, block_ids[b])`` element for element (same layouts as ``kv_block``).
+    """
+    nb, h, bs, c = cache.shape
+    if backend in _HEAD_HALVES:
+        hd = c // 2
+        kv = cache.view(nb, h, 2 * bs, hd).index_select(0, block_ids)
+        k = kv[:, :, :bs].reshape(-1, h, hd, bs).transpose(2, 3)
+        return k, kv[:, :, bs:]
+    blk = cache.index_select(0, block_ids)
+    return blk[..., : c // 2], blk[..., c // 2:]
+
+
+DIGEST_BATCH_BYTES = 64 << 20  # K/V bytes gathered per digest batch at a hit (device memory)
+
+
 class V1Capture:
     """Per-process capture state for one V1 runner; driven by the patched methods."""
 
@@ -161,15 +198,22 @@ class V1Capture:
 
             self.activations = ActivationHooks(self)
         self.step: list[StepReq] = []
-        self.fault_done = recorder.config.fault is None
+        # planted faults (faults.py); attention faults fire whether or not K/V are recorded
+        self.faults = FaultPlanter(recorder.config.fault, recorder.note_fault)
+        self.attn_all = [li for li in self.layers if li.kind == "attn"]
+        self.group_block_size = [_block_size(g.kv_cache_spec) if hasattr(g.kv_cache_spec, "block_size")
+                                 else None for g in runner.kv_cache_config.kv_cache_groups]
         self.prompt_len: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
-        # Only for the ssm-wrong-block fault: a copy of each SSM checkpoint by
-        # (token-prefix digest, layer). The engine keeps only some checkpoint
-        # blocks (align mode frees the others, and the pool is shared by all
-        # groups), so "the state one block earlier" must be kept by us.
+        self.hit_len: dict[str, int] = {}  # prefix-cache hit of each live request (the logits fault)
+        # Per live request that asked for logprobs: k (alternatives kept) and, per step, the
+        # (sampled logprob [n], top-k ids [n, k], top-k logprobs [n, k]) the runner returned;
+        # None once a step's tokens came without logprobs (then none are recorded).
+        self.logprobs_k: dict[str, int] = {}
+        self.logprobs: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None] = {}
+        # Only for the ssm-wrong-block fault: token ids per request and SSM checkpoints by prefix.
         self.tokens: dict[str, list[int]] = {}
-        self.ckpt_states: dict[tuple[bytes, int], torch.Tensor] = {}
+        self.earlier = EarlierSsm()
         recorder.writer.update_run(layers=[
             {"layer": li.layer, "module": li.name, "type": li.kind, "group": li.group,
              "block_size": li.block_size, "backend": li.backend or None}
@@ -179,7 +223,7 @@ class V1Capture:
     # -- step bookkeeping ----------------------------------------------------
 
     def before_execute(self, so: Any) -> None:
-        """Parse the scheduler output; read K/V of cached blocks at new hits."""
+        """Parse the scheduler output (a hit's K/V are read later, through the runner's block table)."""
         for rid in so.finished_req_ids:
             self._finish(rid)
         self.step = []
@@ -194,6 +238,11 @@ class V1Capture:
             if self._wants_ckpt_blocks():
                 self.tokens[nr.req_id] = list(prompt)
             self.outputs[nr.req_id] = []
+            self.hit_len[nr.req_id] = int(nr.num_computed_tokens)
+            k = getattr(sp, "logprobs", None) if sp is not None else None
+            if k is not None:  # the request asked for logprobs (-1: all; kept up to MAX_LOGPROBS_K)
+                self.logprobs_k[nr.req_id] = MAX_LOGPROBS_K if k < 0 else min(int(k), MAX_LOGPROBS_K)
+                self.logprobs[nr.req_id] = []
             self.step.append(StepReq(nr.req_id, idx, int(nr.num_computed_tokens),
                                      int(so.num_scheduled_tokens[nr.req_id]), len(prompt),
                                      int(nr.num_computed_tokens), nr.block_ids))
@@ -203,11 +252,29 @@ class V1Capture:
                 continue  # scheduled before recording started
             self.step.append(StepReq(rid, self.rec.index[rid], int(start),
                                      int(so.num_scheduled_tokens[rid]), self.prompt_len[rid], 0))
-        for sr in self.step:
-            if sr.hit:
-                self._hit_kv(sr)
         if self.activations is not None:
             self.activations.step_started(so)
+
+    def before_prepare_inputs(self) -> None:
+        """The runner built this step's block table rows (host side), not yet on the device.
+
+        The only moment a planted KV fault (``kv-stale``, ``kv-swap``) can
+        edit the runner's mapping so that this step's slot mapping and
+        attention metadata, and all later steps of the request, read through it.
+        """
+        for sr in self.step:
+            if sr.hit and self.faults.wants("attn"):
+                for li in self.attn_all:
+                    site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "attn")
+                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id)):
+                        break
+
+    def after_prepare_inputs(self) -> None:
+        """The block table is on the device: record each hit's rows and read its cached K/V through it."""
+        for sr in self.step:
+            if sr.hit:
+                runner_rows = self._hit_block_table(sr)
+                self._hit_kv(sr, runner_rows)
 
     def after_preprocess_mamba(self, mamba_state_idx: dict[str, int]) -> None:
         """Read (and, for a planted fault, corrupt) each hit's resumed GDN state."""
@@ -218,7 +285,12 @@ class V1Capture:
                 block_ids = self.runner.requests[sr.req_id].block_ids[li.group]
                 slot = block_ids[mamba_state_idx[sr.req_id]]
                 conv, ssm = self.ctx[li.name].kv_cache[:2]
-                self._maybe_fault_gdn(sr, li, block_ids, slot, conv, ssm)
+                if self.faults.wants("gdn"):
+                    earlier = (self.earlier.get(self.tokens[sr.req_id][:sr.hit - li.block_size], li.layer)
+                               if sr.req_id in self.tokens else None)
+                    site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "gdn")
+                    if self.faults.plant(site, GdnSlot(conv, ssm, slot, earlier)):
+                        self.earlier.clear()
                 for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
                     self.rec.tensor(t[slot], request=sr.index, position=sr.hit, layer=li.layer,
                                     kind=kind, role="resumed", module=li.name, block=slot)
@@ -255,7 +327,7 @@ class V1Capture:
                 bid = req.block_ids[li.group][end // li.block_size - 1]
                 conv, ssm = self.ctx[li.name].kv_cache[:2]
                 if sr.req_id in self.tokens and self._fault_layer(li):
-                    self.ckpt_states[(_digest(self.tokens[sr.req_id][:end]), li.layer)] = ssm[bid].clone()
+                    self.earlier.keep(self.tokens[sr.req_id][:end], li.layer, ssm[bid])
                 for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
                     self.rec.tensor(t[bid], request=sr.index, position=end, layer=li.layer,
                                     kind=kind, role="checkpoint", module=li.name, block=bid)
@@ -277,116 +349,172 @@ class V1Capture:
             self.rec.tensor(t[:, :rows], request=sr.index, position=end, layer=li.layer, kind=kind,
                             role=role, module=li.name, token_start=start, block=bid)
 
-    def _hit_kv(self, sr: StepReq) -> None:
-        """At a hit: the last cached block (tokens [hit - bs, hit)), read before the forward."""
+    def _hit_block_table(self, sr: StepReq) -> list[list[int]]:
+        """Record the hit request's block table rows, as the runner holds them and as allocated.
+
+        Request field ``hit_block_table``: ``{"runner": [...], "scheduler":
+        [...]}``, one list per KV-cache group (index = group), each the
+        physical block ids of logical blocks ``0 .. hit // block_size - 1``
+        of that group (the cached prefix). ``runner`` is read from the
+        device table the kernels read this step; ``scheduler`` is
+        ``NewRequestData.block_ids``. Returns the runner's lists.
+        """
+        bt = self.runner.input_batch.block_table
+        row = self.runner.input_batch.req_id_to_index[sr.req_id]
+        num_reqs = self.runner.input_batch.num_reqs
+        runner_rows, sched_rows = [], []
+        for g, bs in enumerate(self.group_block_size):
+            n = sr.hit // bs if bs else 0
+            runner_rows.append([int(x) for x in bt[g].get_device_tensor(num_reqs)[row, :n].tolist()])
+            sched_rows.append([int(x) for x in sr.block_ids[g][:n]])
+        self.rec.writer.update_request(sr.index, hit_block_table={"runner": runner_rows,
+                                                                  "scheduler": sched_rows})
+        return runner_rows
+
+    def _hit_kv(self, sr: StepReq, runner_rows: list[list[int]]) -> None:
+        """At a hit, through the runner's block table: the last cached block in full, digests before it.
+
+        Logical block ``j = hit // bs - 1`` (tokens ``[hit - bs, hit)``) is
+        recorded whole, role ``resumed``; logical blocks ``0 .. j-1`` as
+        digests (``/digests``, role ``resumed``), computed on the device in
+        batches of about ``DIGEST_BATCH_BYTES``: a few bytes per block cross
+        to the host, not the prefix.
+        """
         for li in self.attn:
             bs = li.block_size
             if sr.hit < bs:
                 continue
-            block_ids = sr.block_ids[li.group]  # runner.requests is filled later in the step
-            self._maybe_fault_kv(sr, li, block_ids)
-            self._read_kv(sr, li, block_ids[sr.hit // bs - 1], sr.hit - bs, sr.hit, role="resumed")
+            phys = runner_rows[li.group]
+            j = len(phys) - 1
+            self._read_kv(sr, li, phys[j], sr.hit - bs, sr.hit, role="resumed")
+            if j == 0:
+                continue
+            cache = self.ctx[li.name].kv_cache
+            block_bytes = cache[0].numel() * cache.element_size() // 2  # K (or V) of one block
+            per = max(1, DIGEST_BATCH_BYTES // max(block_bytes, 1))
+            for b0 in range(0, j, per):
+                ids = phys[b0:min(j, b0 + per)]
+                k, v = kv_blocks(cache, li.backend, torch.tensor(ids, dtype=torch.long, device=cache.device))
+                for kind, t in (("attn.k", k), ("attn.v", v)):
+                    for i, (bid, dig) in enumerate(zip(ids, digest_rows(t))):
+                        lb = b0 + i
+                        self.rec.digest(dig, t[i], request=sr.index, position=(lb + 1) * bs,
+                                        token_start=lb * bs, layer=li.layer, kind=kind, role="resumed",
+                                        module=li.name, block=bid)
 
-    # -- planted faults (hit path only) -------------------------------------
-
-    def _fault_applies(self, sr: StepReq, li: LayerInfo, kind: str) -> bool:
-        f = self.rec.config.fault
-        if self.fault_done or f is None or FAULTS[f.name][0].split(".")[0] != kind.split(".")[0]:
-            return False
-        if f.request is not None and f.request != sr.index:
-            return False
-        if f.layer is not None and f.layer != li.layer:
-            return False
-        return sr.hit >= f.min_blocks * li.block_size
-
-    def _maybe_fault_gdn(self, sr: StepReq, li: LayerInfo, block_ids: list[int], slot: int,
-                         conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        if not self._fault_applies(sr, li, "gdn.ssm_state"):
-            return
-        f = self.rec.config.fault
-        bs = li.block_size
-        if f.name == "ssm-wrong-block":
-            src = self.ckpt_states.get((_digest(self.tokens[sr.req_id][:sr.hit - bs]), li.layer))
-            if src is None:
-                return  # no checkpoint one block earlier (default chunking): try the next hit
-            ssm[slot].copy_(src)
-            self.ckpt_states.clear()
-        elif f.name == "conv-zero":
-            conv[slot].zero_()
-        elif f.name == "ssm-bf16":
-            ssm[slot].copy_(ssm[slot].to(torch.bfloat16).to(ssm.dtype))
-        elif f.name == "ssm-nan":
-            ssm[slot].view(-1)[ssm[slot].numel() // 2] = float("nan")
-        self.fault_done = True
-        self.rec.note_fault(request=sr.index, position=sr.hit, layer=li.layer, module=li.name,
-                            kind=f.kind, description=FAULTS[f.name][2])
+    # -- planted faults (faults.py; vLLM targets in faults_v1.py) ------------
 
     def _wants_ckpt_blocks(self) -> bool:
         f = self.rec.config.fault
-        return f is not None and f.name == "ssm-wrong-block" and not self.fault_done
+        return f is not None and f.name == "ssm-wrong-block" and self.faults.pending
 
     def _fault_layer(self, li: LayerInfo) -> bool:
         f = self.rec.config.fault
         return self._wants_ckpt_blocks() and (f.layer is None or f.layer == li.layer)
 
-    def _maybe_fault_kv(self, sr: StepReq, li: LayerInfo, block_ids: list[int]) -> None:
-        if not self._fault_applies(sr, li, "attn.k"):
+    def before_sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> None:
+        """The sampler is about to read ``logits`` (``GPUModelRunner._sample``): the ``logits`` fault.
+
+        Fires at the first step whose sample of a hit request is kept (the
+        request's last prefill chunk: the first output token), on that
+        request's row; never with speculative decoding (rows per draft).
+        """
+        if logits is None or spec_decode_metadata is not None or not self.faults.wants("logits"):
             return
-        bs = li.block_size
-        cache = self.ctx[li.name].kv_cache
-        a, b = block_ids[sr.hit // bs - 2], block_ids[sr.hit // bs - 1]
-        tmp = cache[a].clone()
-        cache[a].copy_(cache[b])
-        cache[b].copy_(tmp)
-        self.fault_done = True
-        self.rec.note_fault(request=sr.index, position=sr.hit, layer=li.layer, module=li.name,
-                            kind="attn.k", description=FAULTS["kv-swap"][2])
+        rows = self.runner.input_batch.req_id_to_index
+        for sr in self.step:
+            hit = self.hit_len.get(sr.req_id, 0)
+            if not hit or sr.start + sr.n < sr.prompt_len or sr.start >= sr.prompt_len:
+                continue
+            site = Site(sr.index, hit, -1, "logits", self.runner.cache_config.block_size, "logits")
+            if self.faults.plant(site, LogitsRow(logits, rows[sr.req_id])):
+                return
 
     # -- outputs ---------------------------------------------------------------
 
     def _collect_outputs(self, output: Any) -> None:
+        """Sampled tokens and their logprobs from the runner's ``ModelRunnerOutput`` (vLLM 0.32
+        ``v1/outputs.py``): ``sampled_token_ids[i]`` of ``req_ids[i]``; ``logprobs`` a
+        ``LogprobsLists`` whose rows ``slice_request(req_id_to_index[r], n)`` are that request's
+        ``n`` tokens, column 0 the sampled token, then the batch's top-k best first (the
+        front end keeps the request's own k: ``logprobs.py`` ``append_logprobs_for_next_position``)."""
         ids = getattr(output, "req_ids", None)
         toks = getattr(output, "sampled_token_ids", None)
         if ids is None or toks is None:
             return  # async output: tokens are taken from the front end instead
+        lists = getattr(output, "logprobs", None)
+        index = getattr(output, "req_id_to_index", None) or {r: i for i, r in enumerate(ids)}
         for rid, t in zip(ids, toks):
             if rid in self.outputs:
                 self.outputs[rid].extend(int(x) for x in t)
             if rid in self.tokens:
                 self.tokens[rid].extend(int(x) for x in t)
+            if self.logprobs.get(rid) is None or not len(t):
+                continue
+            if lists is None:
+                self.logprobs[rid] = None  # tokens without logprobs: record none for this request
+                continue
+            sl = lists.slice_request(index[rid], len(t))
+            tok_ids, lps = np.asarray(sl.logprob_token_ids), np.asarray(sl.logprobs)
+            k = min(self.logprobs_k[rid], tok_ids.shape[1] - 1)
+            self.logprobs[rid].append((lps[:, 0].astype("<f4"), tok_ids[:, 1:1 + k].astype("<i8"),
+                                       lps[:, 1:1 + k].astype("<f4")))
 
     def _finish(self, rid: str, finished: bool = True) -> None:
         if rid not in self.rec.index or rid not in self.outputs:
             return
         # Every token the runner sampled: with speculative decoding that can exceed
         # max_tokens by up to K (the front end truncates; drafter rows match these).
-        self.rec.writer.update_request(self.rec.index[rid], output_token_ids=self.outputs.pop(rid),
-                                       finished=finished)
-
-
-def _digest(tokens: list[int]) -> bytes:
-    import hashlib
-
-    return hashlib.blake2b(repr(tokens).encode(), digest_size=16).digest()
+        fields: dict[str, Any] = {"output_token_ids": self.outputs.pop(rid)}
+        self.hit_len.pop(rid, None)
+        k = self.logprobs_k.pop(rid, None)
+        steps = self.logprobs.pop(rid, None)
+        if steps is not None and k is not None:
+            n = len(fields["output_token_ids"])
+            kk = steps[0][1].shape[1] if steps else k
+            fields |= {
+                "output_logprobs": np.concatenate([s[0] for s in steps]) if steps else np.zeros(0, "<f4"),
+                "output_topk_ids": (np.concatenate([s[1] for s in steps]) if steps
+                                    else np.zeros((0, kk), "<i8")),
+                "output_topk_logprobs": (np.concatenate([s[2] for s in steps]) if steps
+                                         else np.zeros((0, kk), "<f4")),
+            }
+            if len(fields["output_logprobs"]) != n:  # cannot happen with sync outputs; never store a mismatch
+                del fields["output_logprobs"], fields["output_topk_ids"], fields["output_topk_logprobs"]
+        self.rec.writer.update_request(self.rec.index[rid], finished=finished, **fields)
 
 
 def _sampling_summary(sp: Any) -> dict | None:
     if sp is None:
         return None
     keys = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
-            "repetition_penalty", "presence_penalty", "frequency_penalty")
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
     return {k: getattr(sp, k, None) for k in keys}
 
 
 def run_metadata(runner: Any) -> dict:
-    """Run metadata from the runner's VllmConfig (engine, model, cache, speculative)."""
+    """Run metadata from the running engine (``docs/trace-format.md``, ``/run``).
+
+    Engine, model, cache and speculative settings from the runner's
+    ``VllmConfig``; ``effective`` (``effective.effective_config``): what the
+    started engine really runs with, read from its runner and layers. The
+    top-level ``block_size``, ``mamba_block_size`` and
+    ``max_num_batched_tokens`` are the effective ones (the latter: the
+    scheduler's per-step budget, ``max_num_scheduled_tokens``).
+    ``speculative_method`` is ``"none"`` without a drafter and
+    ``quantization`` ``"none"`` for an unquantized checkpoint (vLLM 0.32
+    ``ModelConfig.quantization`` is None exactly then); null stays "unknown".
+    """
     import hashlib
     import json
 
     import vllm
 
+    from .effective import effective_config
+
+    eff = effective_config(runner)
     vc = runner.vllm_config
-    mc, cc, sc = vc.model_config, vc.cache_config, vc.scheduler_config
+    mc, cc = vc.model_config, vc.cache_config
     spec = vc.speculative_config
     try:
         cfg = mc.hf_config.to_dict()
@@ -402,15 +530,16 @@ def run_metadata(runner: Any) -> dict:
         "architecture": (getattr(mc.hf_config, "architectures", None) or [None])[0],
         "config_digest": digest,
         "dtype": str(mc.dtype).removeprefix("torch."),
-        "quantization": mc.quantization,
-        "block_size": cc.block_size,
-        "mamba_block_size": getattr(cc, "mamba_block_size", None),
+        "quantization": str(mc.quantization) if mc.quantization else "none",
+        "block_size": eff["block_size"],
+        "mamba_block_size": eff["mamba_block_size"],
         "mamba_cache_mode": getattr(cc, "mamba_cache_mode", None),
         "prefix_caching": bool(cc.enable_prefix_caching),
-        "max_num_batched_tokens": sc.max_num_batched_tokens,
-        "speculative_method": getattr(spec, "method", None) if spec else None,
+        "max_num_batched_tokens": eff["max_num_scheduled_tokens"],
+        "speculative_method": (getattr(spec, "method", None) if spec else "none"),
         "num_speculative_tokens": getattr(spec, "num_speculative_tokens", None) if spec else None,
         "seed": mc.seed,
         "kv_cache_dtype": cc.cache_dtype,
         "enforce_eager": mc.enforce_eager,
+        "effective": eff,
     }

@@ -16,7 +16,7 @@ from statediff.jsonutil import jsonable
 from statediff.trace.reader import open_trace
 from statediff.trace.schema import IDENTITY_KEYS
 
-from .align import align, check_comparable, fed_same_tokens
+from .align import align, check_comparable, stream_part
 from .metrics import measure_pair
 from .noise import FORMAT, VERSION, Envelope
 from .tolerance import Tolerance
@@ -24,7 +24,7 @@ from .tolerance import Tolerance
 _EXACT = Tolerance(0.0, 0.0, "calibration")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CalibrateResult:
     """Outcome of ``calibrate``: the envelopes and what was skipped."""
 
@@ -75,10 +75,12 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
             if t.run.get("mode") not in (None, "cold"):
                 warnings.append(f"{t.path} is a {t.run.get('mode')!r} run, not a cold run")
         plan = align(a.entries, b.entries)
+        parts = {i: stream_part(a.requests, b.requests, i) for i in set(a.requests) | set(b.requests)}
         envs: dict[tuple[int, str], Envelope] = {}
         identical = diverged_tokens = 0
         for p in plan.pairs:
-            if not fed_same_tokens(a.requests, b.requests, p.cold.request, p.cold.position):
+            part = parts.get(p.cold.request)
+            if part is not None and p.cold.position > part.position:
                 # Once greedy outputs differ, later states summarise other tokens:
                 # that is not noise, and would inflate the envelope past real bugs.
                 diverged_tokens += 1
@@ -110,5 +112,5 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
             Path(out).write_text(json.dumps(jsonable(result.to_json()), indent=1, sort_keys=True))
         except OSError as e:
             raise StatediffError(f"cannot write noise file {out}: {e.strerror or e}") from None
-        result.out = str(out)
+        result = dataclasses.replace(result, out=str(out))
     return result

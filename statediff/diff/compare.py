@@ -1,33 +1,47 @@
-"""``compare``: name the first divergent tensor between a hit and a cold trace.
+"""``compare``: the verdict on a cache-hit trace against its cold trace.
 
-Stages, in order: open both traces -> refuse incomparable ones
-(``align.check_comparable``) -> choose the tolerance policy -> pair by key
-(``align.align``) -> judge each pair (hash first, streamed full compare
-only where hashes differ) -> root vs propagated (``diverge.classify``) ->
-diagnose the roots (``diagnose.diagnose``) -> per-request table -> one
-``CompareResult``. With ``stop_at_first`` the judging stops at the first
-divergent pair in causal order, which is always the first root (nothing
-earlier can explain it), so the root is the one a full compare reports.
+Stages, in order: open both traces -> refuse incomparable ones (model
+identity and replay mode: ``align.check_comparable``; effective scheduling:
+``align.check_scheduling``) -> choose the tolerance policy -> pair by key,
+digest-only rows included (``align.align``) -> judge each pair both runs
+reached with the same tokens (hash first, streamed float64 compare only
+where hashes differ, digests for digest-only blocks); pairs past the point
+where a request's token streams part are listed, not judged -> root vs
+propagated (``diverge.classify``), then the frozen ``Divergence`` records ->
+refuse runs whose first difference lies before any cache hit -> outputs
+(``outputs.first_output_diff``) and block tables -> diagnose the roots ->
+one ``CompareResult``, whose ``cause`` is the verdict. With
+``stop_at_first`` the judging stops at the first divergent pair in causal
+order, which is always the first root (nothing earlier can explain it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+from collections import Counter
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from .align import Pair, Plan, align, both_exact, check_comparable
-from .diagnose import diagnose
-from .diverge import classify
-from statediff.errors import MismatchError, StatediffError
-from .metrics import measure_pair
-from .noise import DEFAULT_FACTOR, load_noise
-from statediff.diff.result import MAX_UNPAIRED_LISTED, CompareResult, Divergence, RequestRow, TraceSide, Unpaired
-from .tolerance import Policy, Rule, parse_rule
+from statediff.errors import MismatchError, NotComparableError, StatediffError
+from statediff.replay.hits import account_run
 from statediff.trace.reader import Trace, open_trace
 
+from .align import (Entry, Pair, Plan, StreamPart, align, both_exact, check_comparable, check_scheduling,
+                    stream_part)
+from .diagnose import DigestCache, diagnose, diagnose_digest, match_block
+from .diverge import classify
+from .metrics import PairMetrics, measure_pair
+from .noise import DEFAULT_FACTOR, load_noise
+from .outputs import OutputDiff, OutputTolerance, first_output_diff
+from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
+                     InputsDiffer, RequestRow, TraceSide, Unpaired)
+from .tolerance import Policy, Rule, Tolerance, parse_rule
+
 MAX_DIAGNOSED = 5
+NEIGHBOUR_BLOCKS = 4  # default replay: a differing digest is checked against the 4 nearest cold blocks
 
 PathLike = str | os.PathLike
 
@@ -35,7 +49,8 @@ PathLike = str | os.PathLike
 def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule] = (),
             noise: PathLike | None = None, noise_factor: float = DEFAULT_FACTOR,
             allow_engine_mismatch: bool = False, allow_noise_in_exact: bool = False,
-            max_listed: int = 10, progress: bool = False, stop_at_first: bool = False) -> CompareResult:
+            max_listed: int = 10, progress: bool = False, stop_at_first: bool = False,
+            allow_incomplete: bool = False, strict_hits: bool = False) -> CompareResult:
     """Compare a cache-hit trace against its cold trace.
 
     Args:
@@ -43,7 +58,9 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
         tol: ``--tol`` rules (``PATTERN=ATOL,RTOL`` text or ``Rule``), first match wins.
         noise: a noise file from ``calibrate``; pairs are judged against its envelopes.
         noise_factor: allowed multiple of the calibrated envelope.
-        allow_engine_mismatch: compare traces whose model/config identity differs.
+        allow_engine_mismatch: compare traces whose model/config identity or
+            effective scheduling differs (also lifts the "runs not comparable"
+            refusal: different engines differ before any hit).
         allow_noise_in_exact: accept a noise file although both traces replayed exactly
             (and although it was calibrated on traces of another replay mode).
         max_listed: how many divergences after the first the report lists.
@@ -52,25 +69,43 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             the same a full compare names) and diagnose it; later divergences,
             propagated ones included, are then neither judged nor counted
             (``result.stopped_after`` says how many pairs were judged).
+        allow_incomplete: compare a trace that is incomplete (the replay stopped
+            early, or the recording did not finish) instead of refusing it.
+        strict_hits: a hit accounting finding (a prefix-cache hit short of what
+            the shared prefix allows, a hit in the cold run: ``statediff.replay.hits``)
+            makes ``exit_code`` 1.
 
     Returns:
-        the result; ``result.exit_code`` is 0 (same) or 1 (divergence).
+        the result; ``result.exit_code`` is 0 (SAME) or 1 (DIVERGED: a captured
+        tensor, the block table, or the outputs differ; ``result.cause``).
 
     Raises:
         TraceError: a trace is missing, unreadable or damaged.
         MismatchError: different model/config, replay mode, swapped arguments,
-            or a noise file from other traces.
+            an exact pair scheduled differently, or a noise file from other traces.
+        NotComparableError: (a MismatchError) the first difference lies in a
+            request that, like every request before it, had no cache hit.
         StatediffError: bad ``--tol`` text, unreadable noise file, noise file in
-            exact mode without ``allow_noise_in_exact``.
+            exact mode without ``allow_noise_in_exact``, an incomplete trace
+            without ``allow_incomplete``.
     """
     rules = tuple(parse_rule(r) if isinstance(r, str) else r for r in tol)
     model = load_noise(noise, noise_factor) if noise is not None else None
-    with open_trace(hit_path) as hit, open_trace(cold_path) as cold:
+    paths = Pair(hit_path, cold_path)
+    with contextlib.ExitStack() as stack:
+        traces = paths.map(lambda p: stack.enter_context(open_trace(p)))
+        hit, cold = traces
+        incomplete = tuple(f"the {side} trace {path} is incomplete: {t.partial_reason}"
+                           for side, path, t in zip(("hit", "cold"), paths, traces) if t.partial)
+        if incomplete and not allow_incomplete:
+            raise StatediffError(f"{incomplete[0]}; refusing to compare it (--allow-incomplete compares "
+                                 "the requests it holds)")
         warnings = check_comparable(hit, cold, allow_engine_mismatch=allow_engine_mismatch)
         if hit.run.get("mode") == "cold" and cold.run.get("mode") == "hit":
             raise MismatchError(f"arguments look swapped: {hit_path} is a cold run and {cold_path} "
                                 "a hit run (usage: statediff compare HIT COLD)")
         exact = both_exact(hit, cold)
+        warnings += check_scheduling(hit, cold, exact=exact, allow_engine_mismatch=allow_engine_mismatch)
         if model is not None:
             if exact and not allow_noise_in_exact:
                 raise StatediffError(
@@ -78,73 +113,314 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
                     f"noise file {noise} (use --allow-noise-in-exact to judge by it anyway)")
             model.check_matches(cold, check_replay=not allow_noise_in_exact)
         policy = Policy(rules, exact, model)
-        plan = align(hit.entries, cold.entries)
-        divs, scores, identical, unjudged = _judge(plan, hit, cold, policy, progress, stop_at_first)
-        stopped_after = len(scores) if stop_at_first and len(scores) < len(plan.pairs) else None
-        if unjudged:
-            warnings.append(f"{unjudged} pairs have no envelope in the noise file: judged by "
+        plan = align(*traces.map(lambda t: [*t.entries, *getattr(t, "digests", ())]))
+        indices = sorted(set(hit.requests) | set(cold.requests))
+        parts = {i: p for i in indices if (p := stream_part(hit.requests, cold.requests, i)) is not None}
+        digests = DigestCache()
+        judged = _judge(plan, traces, policy, parts, digests, progress, stop_at_first)
+        if judged.no_envelope:
+            warnings.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
                             f"{'bit identity' if exact else 'dtype defaults'}")
-        _attribute(divs, hit.requests)
-        diagnoses = []
-        for d, pair in [(d, p) for d, p in divs if d.root and d.metrics is not None][:MAX_DIAGNOSED]:
-            found = diagnose(pair, hit, cold, policy)
-            if found is not None:
-                diagnoses.append(found)
+        found = judged.found
+        divergences = _divergences(found, classify(found, hit.requests))
+        out_tol = OutputTolerance(exact=exact and model is None)
+        rows = _requests(traces, indices, parts, out_tol)
+        rows, hit_findings = _hits(traces, rows)
+        output_diff = next((r.output_diff for r in rows if r.output_diff is not None), None)
+        if not allow_engine_mismatch:
+            _refuse_before_any_hit(hit, divergences, output_diff)
+        diagnoses = _diagnose(found, divergences, traces, policy, digests)
+        stopped_after = judged.judged if judged.stopped else None
         return CompareResult(
-            hit=TraceSide(str(hit_path), hit.partial, dict(hit.run)),
-            cold=TraceSide(str(cold_path), cold.partial, dict(cold.run)),
+            hit=TraceSide(str(hit_path), hit.partial, dict(hit.run), dict(hit.requests)),
+            cold=TraceSide(str(cold_path), cold.partial, dict(cold.run), dict(cold.requests)),
             policy=policy.describe(), warnings=warnings, pairs=len(plan.pairs),
-            identical=identical, divergences=[d for d, _ in divs], diagnoses=diagnoses,
-            unpaired=_unpaired(plan, hit), requests=_requests(hit, cold), scores=scores,
-            max_listed=max_listed, bit_identity=exact and model is None, stopped_after=stopped_after)
+            identical=judged.identical, divergences=divergences, diagnoses=diagnoses,
+            unpaired=_unpaired(plan, hit), requests=rows, scores=judged.scores,
+            max_listed=max_listed, bit_identity=exact and model is None, stopped_after=stopped_after,
+            outputs_policy=out_tol.describe(), output_diff=output_diff,
+            inputs_differ=InputsDiffer(tuple(parts[i] for i in sorted(parts)), len(judged.inputs_differ),
+                                       tuple(f"{p.cold.label()} [{p.hit.role}]"
+                                             for p in judged.inputs_differ[:max_listed])),
+            digests=DigestSummary(judged.digest_pairs, judged.digest_identical, len(judged.unjudged),
+                                  tuple(p.cold.label() for p in judged.unjudged[:MAX_UNPAIRED_LISTED])),
+            block_tables=_block_tables(traces), outside_capture=_outside_capture(hit),
+            hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete)
 
 
-def _judge(plan: Plan, hit: Trace, cold: Trace, policy: Policy, progress: bool, stop_at_first: bool = False):
-    """Judge every pair (or up to the first divergent one); returns (divergences with
-    their pairs, plot scores (one per judged pair), #identical, #unjudged)."""
-    divs: list[tuple[Divergence, Pair]] = []
-    scores = []
-    identical = unjudged = 0
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """A divergent pair before its root/propagated verdict (what ``diverge.classify`` reads)."""
+
+    pair: Pair[Entry]
+    tol: Tolerance
+    metrics: PairMetrics | None
+    reason: str
+    digests: tuple[str, str] | None = None
+
+    @property
+    def request(self) -> int:
+        return self.pair.cold.request
+
+    @property
+    def position(self) -> int:
+        return self.pair.cold.position
+
+    @property
+    def role_hit(self) -> str:
+        return self.pair.hit.role
+
+
+@dataclasses.dataclass
+class _Judging:
+    """Running tallies of ``_judge`` (internal; the result records are built from it once)."""
+
+    found: list[_Found] = dataclasses.field(default_factory=list)
+    scores: list[tuple] = dataclasses.field(default_factory=list)
+    identical: int = 0
+    judged: int = 0
+    no_envelope: int = 0
+    stopped: bool = False
+    inputs_differ: list[Pair[Entry]] = dataclasses.field(default_factory=list)
+    digest_pairs: int = 0
+    digest_identical: int = 0
+    unjudged: list[Pair[Entry]] = dataclasses.field(default_factory=list)
+
+
+def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, StreamPart],
+           digests: DigestCache, progress: bool, stop_at_first: bool) -> _Judging:
+    """Judge every pair both runs reached with the same tokens (or up to the first divergent one)."""
+    hit, cold = traces
+    j = _Judging()
     for p in tqdm(plan.pairs, desc="comparing", unit="pair", disable=not progress, leave=False):
-        tol = policy.for_entry(p.cold)
-        if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
-            unjudged += 1
-        h, c = p.hit, p.cold
-        m = measure_pair(hit, h, cold, c, tol) if p.same_layout else None
-        if m is not None and m.identical:
-            identical += 1
-        scores.append((c.request, c.position, c.layer, c.kind,
-                       m.severity if m is not None else float("inf"),
-                       m.max_ulp if m is not None else None))  # PairMetrics is falsy when beyond tolerance
-        if m is not None and m.within:
+        c = p.cold
+        part = parts.get(c.request)
+        if part is not None and c.position > part.position:  # saw other tokens: not judged, never a root
+            j.inputs_differ.append(p)
             continue
-        reason = ("dtype/shape differ" if m is None else
-                  "NaN/Inf on one side only" if m.n_nonfinite else "beyond tolerance")
-        divs.append((Divergence(
+        if stop_at_first and j.found:
+            j.stopped = True
+            break
+        j.judged += 1
+        tol = policy.for_pair(p.hit, c)
+        if p.digest_only:
+            f = _judge_digest(p, traces, tol, digests, j)
+        else:
+            f = _judge_values(p, hit, cold, tol, policy, j)
+        if f is not None:
+            j.found.append(f)
+    return j
+
+
+def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, policy: Policy,
+                  j: _Judging) -> _Found | None:
+    c = p.cold
+    if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
+        j.no_envelope += 1
+    m = measure_pair(hit, p.hit, cold, c, tol) if p.same_shape else None
+    if m is not None and m.identical:
+        j.identical += 1
+    j.scores.append((c.request, c.position, c.layer, c.kind,
+                     m.severity if m is not None else float("inf"),
+                     m.max_ulp if m is not None else None,
+                     m.rel_l2 if m is not None else None))
+    if m is not None and m.within:
+        return None
+    reason = ("dtype/shape differ" if m is None else
+              "NaN/Inf on one side only" if m.n_nonfinite else "beyond tolerance")
+    return _Found(p, tol, m, reason)
+
+
+def _judge_digest(p: Pair[Entry], traces: Pair[Trace], tol: Tolerance, digests: DigestCache,
+                  j: _Judging) -> _Found | None:
+    """A digest-only pair: equal digests are bit-identical; a differing one is a divergence when
+    bit identity is expected, or when the hit block equals another cold block bit for bit (no
+    rounding does that); otherwise it cannot be judged (default replay) and is listed as unjudged."""
+    c = p.cold
+    j.digest_pairs += 1
+    if not p.same_layout:
+        j.scores.append((c.request, c.position, c.layer, c.kind, float("inf"), None, None))
+        return _Found(p, tol, None, "dtype/shape differ")
+    hd, cd = digests.of(traces.hit, p.hit), digests.of(traces.cold, p.cold)
+    if hd == cd:
+        j.identical += 1
+        j.digest_identical += 1
+        j.scores.append((c.request, c.position, c.layer, c.kind, 0.0, None, None))
+        return None
+    if tol.exact or match_block(p, traces.hit, traces.cold, digests, nearest=NEIGHBOUR_BLOCKS) is not None:
+        j.scores.append((c.request, c.position, c.layer, c.kind, float("inf"), None, None))
+        return _Found(p, tol, None, "digest differs", (hd, cd))
+    j.unjudged.append(p)
+    return None
+
+
+def _divergences(found: list[_Found], verdicts) -> list[Divergence]:
+    """The complete, frozen records: the root/propagated verdicts are known before any is built."""
+    attributed = [v.root_index for v in verdicts if not v.root]
+    same_request = [v.root_index for f, v in zip(found, verdicts)
+                    if not v.root and f.request == found[v.root_index].request]
+    n, n_same = Counter(attributed), Counter(same_request)
+    out = []
+    for i, (f, v) in enumerate(zip(found, verdicts)):
+        h, c = f.pair
+        out.append(Divergence(
             request=c.request, position=c.position, layer=c.layer, module=c.module or h.module,
             kind=c.kind, role_hit=h.role, role_cold=c.role, dtype=h.dtype, shape=h.shape,
-            layout_cold=f"{c.dtype} {c.shape}", reason=reason, tolerance=tol, metrics=m), p))
-        if stop_at_first:
-            break
-    return divs, scores, identical, unjudged
+            layout_cold=f"{c.dtype} {c.shape}", reason=f.reason, tolerance=f.tol, metrics=f.metrics,
+            root=v.root, root_key=None if v.root else found[v.root_index].pair.key, via=v.via,
+            propagated=n[i] if v.root else 0, propagated_same_request=n_same[i] if v.root else 0,
+            digests=f.digests))
+    return out
 
 
-def _attribute(divs: list[tuple[Divergence, Pair]], requests: dict[int, dict]) -> None:
-    """Set root/propagated fields from ``diverge.classify``."""
-    only = [d for d, _ in divs]
-    for d, v in zip(only, classify(only, requests)):
-        d.root, d.via = v.root, v.via
-        if not v.root:
-            root = only[v.root_index]
-            d.root_key = root.key
-            root.propagated += 1
-            root.propagated_same_request += d.request == root.request
+def _diagnose(found: list[_Found], divs: list[Divergence], traces: Pair[Trace], policy: Policy,
+              digests: DigestCache) -> list:
+    """Diagnoses of the first ``MAX_DIAGNOSED`` roots that have something to search with."""
+    out = []
+    roots = [(f, d) for f, d in zip(found, divs) if d.root and (d.metrics is not None or d.digests is not None)]
+    for f, d in roots[:MAX_DIAGNOSED]:
+        if d.digests is not None:
+            g = diagnose_digest(f.pair, traces.hit, traces.cold, digests)
+        else:
+            g = diagnose(f.pair, traces.hit, traces.cold, policy)
+        if g is not None:
+            out.append(g)
+    return out
+
+
+def _cached(t: Trace, request: int) -> int | None:
+    n = (t.requests.get(request) or {}).get("num_cached_tokens")
+    return n if isinstance(n, int) else None
+
+
+def _refuse_before_any_hit(hit: Trace, divs: list[Divergence], output: OutputDiff | None) -> None:
+    """A first difference in a request that, like every request before it, had no cache hit.
+
+    Such a request was computed from scratch in both runs, so a restore bug
+    cannot explain it: the runs were not scheduled or configured alike.
+    Applies to hit-mode traces whose hit lengths are all known.
+
+    Raises:
+        NotComparableError: one line naming where and why.
+    """
+    if hit.run.get("mode") != "hit":
+        return
+
+    def before_any_hit(r: int) -> bool:
+        hits = [_cached(hit, i) for i in sorted(hit.requests) if i <= r]
+        return r in hit.requests and all(n == 0 for n in hits)
+
+    first = divs[0] if divs else None
+    what = None
+    if first is not None and before_any_hit(first.request):
+        what = (f"request {first.request} differs at position {first.position}, layer {first.layer}, "
+                f"{first.kind}")
+    elif output is not None and before_any_hit(output.request):
+        what = f"request {output.request} differs at output {output.index} (position {output.position})"
+    if what is not None:
+        raise NotComparableError(
+            f"runs not comparable: {what}, but no request up to it resumed from a prefix-cache hit "
+            "(num_cached_tokens 0), so both runs computed it from scratch and a restore bug cannot explain "
+            "it: the runs were not scheduled or configured alike (check max_num_batched_tokens, chunked "
+            "prefill, block sizes and state dtypes with 'statediff inspect')")
+
+
+def _requests(traces: Pair[Trace], indices: list[int], parts: dict[int, StreamPart],
+              tol: OutputTolerance) -> list[RequestRow]:
+    rows = []
+    for i in indices:
+        recs = traces.map(lambda t: t.requests.get(i))
+        h, c = recs.map(lambda r: r or {})
+        ho, co = h.get("output_token_ids") or [], c.get("output_token_ids") or []
+        diff = first_output_diff(recs, i, tol)
+        equal, text = None, "missing in the " + ("hit" if not h else "cold") + " trace"
+        if h and c:
+            equal, text = _outputs_text(diff, ho, co)
+        rows.append(RequestRow(
+            request=i, prompt_len=(h.get("prompt_len"), c.get("prompt_len")),
+            cached=(h.get("num_cached_tokens"), c.get("num_cached_tokens")),
+            outputs_equal=equal, first_output_diff=None if diff is None else diff.index, outputs=text,
+            acceptance=tuple(a if isinstance(a, dict) else None
+                             for a in (h.get("acceptance"), c.get("acceptance"))),
+            output_diff=diff, stream_part=parts.get(i)))
+    return rows
+
+
+def _hits(traces: Pair[Trace], rows: list[RequestRow]) -> tuple[list[RequestRow], tuple[str, ...]]:
+    """Hit accounting of both runs (``statediff.replay.hits``): the hit run's expected hit on each
+    row, and every finding (hit-run shortfalls or hits beyond the shared prefix; cold-run hits)."""
+    acc = traces.map(lambda t: {a.request: a for a in account_run(t.run, t.requests)})
+    out = []
+    for r in rows:
+        a = acc.hit.get(r.request)
+        out.append(r if a is None else dataclasses.replace(
+            r, expected_hit=a.expected, expected_source=a.source, hit_finding=a.finding))
+    found = [f"{side} run: {a.finding}" for side, by in zip(("hit", "cold"), acc)
+             for _, a in sorted(by.items()) if a.finding]
+    return out, tuple(found)
+
+
+def _outputs_text(diff: OutputDiff | None, ho: list, co: list) -> tuple[bool | None, str]:
+    """(outputs_equal, the outputs column of the request table)."""
+    n = min(len(ho), len(co))
+    if diff is None:
+        if len(ho) == len(co):
+            return True, f"equal ({len(ho)} tokens)"
+        return None, f"hit has {len(ho)} tokens, cold {len(co)} (equal up to {n}; a run did not finish)"
+    k = diff.index
+    if diff.what == "token":
+        return False, f"differ at output {k} (hit {diff.hit_token}, cold {diff.cold_token})"
+    if diff.what == "logprob":
+        return False, (f"logprobs differ at output {k} (token {diff.hit_token}: hit {diff.hit_logprob:.7g}, "
+                       f"cold {diff.cold_logprob:.7g})")
+    if diff.what == "top-k":
+        return False, f"top-k differs at output {k} ({diff.detail})"
+    return False, f"hit has {len(ho)} tokens, cold {len(co)} (equal up to {n})"
+
+
+def _block_tables(traces: Pair[Trace]) -> tuple[BlockTableFinding, ...]:
+    """Requests whose ``hit_block_table`` rows (runner vs scheduler) differ, per KV-cache group.
+
+    Rows are compared over the logical blocks both hold (a row may carry
+    padding past the request's blocks).
+    """
+    out = []
+    for side, t in zip(("hit", "cold"), traces):
+        for i in sorted(t.requests):
+            table = t.requests[i].get("hit_block_table")
+            if not isinstance(table, dict):
+                continue
+            runner, sched = table.get("runner"), table.get("scheduler")
+            if not isinstance(runner, list) or not isinstance(sched, list):
+                continue
+            for g, (rr, ss) in enumerate(zip(runner, sched)):
+                if not isinstance(rr, list) or not isinstance(ss, list):
+                    continue
+                bad = [k for k, (a, b) in enumerate(zip(rr, ss)) if a != b]
+                if bad:
+                    out.append(BlockTableFinding(side, i, g, bad[0], rr[bad[0]], ss[bad[0]], len(bad)))
+    return tuple(out)
+
+
+def _outside_capture(hit: Trace) -> tuple[str, ...]:
+    """The captures that would look further when outputs differ but no captured tensor does."""
+    cap = hit.run.get("capture") if isinstance(hit.run.get("capture"), dict) else {}
+    kinds = {e.kind for e in hit.entries}
+    add = []
+    if not cap.get("activations") and "hidden" not in kinds:
+        add.append("--activations (the residual stream after every layer, eager mode)")
+    if hit.run.get("speculative_method") not in (None, "none") and "drafter.input" not in kinds:
+        add.append("drafter inputs (a --speculative-config method statediff captures: eagle3, eagle, mtp, "
+                   "dflash)")
+    if cap.get("kv") not in (None, "all"):
+        add.append("--kv all (the K/V of every completed block, not only at hit boundaries)")
+    return tuple(add)
 
 
 def _unpaired(plan: Plan, hit: Trace) -> Unpaired:
     def cached(r: int) -> int:
-        n = (hit.requests.get(r) or {}).get("num_cached_tokens")
-        return n if isinstance(n, int) else -1
+        n = _cached(hit, r)
+        return -1 if n is None else n
 
     skipped = [e for e in plan.cold_only if e.position <= cached(e.request)]
     unexpected = [e for e in plan.cold_only if e.position > cached(e.request)]
@@ -152,28 +428,3 @@ def _unpaired(plan: Plan, hit: Trace) -> Unpaired:
         hit_only=len(plan.hit_only), cold_only=len(plan.cold_only), skipped_by_hit=len(skipped),
         first_hit_only=[f"{e.label()} [{e.role}]" for e in plan.hit_only[:MAX_UNPAIRED_LISTED]],
         first_cold_only=[f"{e.label()} [{e.role}]" for e in unexpected[:MAX_UNPAIRED_LISTED]])
-
-
-def _requests(hit: Trace, cold: Trace) -> list[RequestRow]:
-    rows = []
-    for i in sorted(set(hit.requests) | set(cold.requests)):
-        h, c = hit.requests.get(i) or {}, cold.requests.get(i) or {}
-        ho, co = h.get("output_token_ids"), c.get("output_token_ids")
-        equal, first, text = None, None, "missing in the " + ("hit" if not h else "cold") + " trace"
-        if h and c:
-            n = min(len(ho), len(co))
-            first = next((k for k in range(n) if ho[k] != co[k]), None)
-            if first is not None:
-                equal, text = False, f"differ at output {first} (hit {ho[first]}, cold {co[first]})"
-            elif len(ho) != len(co):
-                equal, first = False, n
-                text = f"hit has {len(ho)} tokens, cold {len(co)} (equal up to {n})"
-            else:
-                equal, text = True, f"equal ({len(ho)} tokens)"
-        rows.append(RequestRow(
-            request=i, prompt_len=(h.get("prompt_len"), c.get("prompt_len")),
-            cached=(h.get("num_cached_tokens"), c.get("num_cached_tokens")),
-            outputs_equal=equal, first_output_diff=first, outputs=text,
-            acceptance=tuple(a if isinstance(a, dict) else None
-                             for a in (h.get("acceptance"), c.get("acceptance")))))
-    return rows

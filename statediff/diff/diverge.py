@@ -23,6 +23,7 @@ to the root of the divergence that explains it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -51,12 +52,7 @@ class Verdict:
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Number of leading tokens ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 def _reach(request: dict | None, earlier: dict | None) -> float:

@@ -10,13 +10,17 @@ both tensors are streamed with ``Trace.iter_blocks``.
 Conventions: the cold tensor is the reference (``rel_l2 = |hit-cold| /
 |cold|``); metrics other than the non-finite count are over elements finite
 on both sides; NaN at the same place on both sides, or the same infinity,
-compare equal; NaN/Inf on one side only always diverges.
+compare equal; NaN/Inf on one side only always diverges. Each side is
+decoded with its own logical dtype: a pair whose dtypes differ (a bf16 SSM
+state against a float32 one) is compared in float64 after decoding, with
+no ULP distance (it has no meaning across dtypes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -100,7 +104,7 @@ def _max_ulp(a_stored: np.ndarray, b_stored: np.ndarray, dtype: str) -> int | No
 
 # -- result and accumulation ---------------------------------------------------
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PairMetrics:
     """What comparing one pair measured (all errors in the tensor's units).
 
@@ -151,11 +155,18 @@ class PairMetrics:
 
 
 class Accumulator:
-    """Folds per-block metrics of one pair (blocks in C order) into PairMetrics."""
+    """Folds per-block metrics of one pair (blocks in C order) into PairMetrics.
 
-    def __init__(self, shape: tuple[int, ...], dtype: str, tol: Tolerance) -> None:
+    ``dtype`` is the hit side's logical dtype, ``cold_dtype`` the cold
+    side's (default: the same); blocks arrive in each side's storage dtype.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, tol: Tolerance, cold_dtype: str | None = None) -> None:
         self.shape, self.dtype, self.tol = shape, dtype, tol
-        self.m = PairMetrics(numel=math.prod(shape))
+        self.cold_dtype = dtype if cold_dtype is None else cold_dtype
+        self.mixed = self.cold_dtype != dtype  # compared by value only: bits and ULPs mean nothing across dtypes
+        # running values of PairMetrics' fields; result() builds the frozen record once
+        self.m = types.SimpleNamespace(**dataclasses.asdict(PairMetrics(numel=math.prod(shape))))
         self._ss_d = self._ss_a = self._ss_b = self._dot = 0.0
         self._worst_flat: int | None = None
         self._first_diff: tuple[int, float, float] | None = None
@@ -179,7 +190,7 @@ class Accumulator:
 
     def _update_finite(self, a_stored: np.ndarray, b_stored: np.ndarray) -> bool:
         """The fast path; returns False (having changed nothing) unless every value is finite."""
-        a, b = decode64(a_stored, self.dtype), decode64(b_stored, self.dtype)
+        a, b = decode64(a_stored, self.dtype), decode64(b_stored, self.cold_dtype)
         with np.errstate(invalid="ignore", over="ignore"):
             d = np.subtract(a, b)
             np.abs(d, out=d)
@@ -188,7 +199,7 @@ class Accumulator:
             return False  # NaN/Inf on a side (or a float64 overflow): the general path
         tol, m = self.tol, self.m
         if tol.exact:
-            n = int(np.count_nonzero(bits(a_stored) != bits(b_stored)))
+            n = int(np.count_nonzero(d if self.mixed else bits(a_stored) != bits(b_stored)))
             sev = math.inf if n else 0.0
         else:
             if tol.atol <= 0.0:
@@ -212,14 +223,14 @@ class Accumulator:
             i = int(d.argmax())
             m.max_abs, self._worst_flat = dmax, off + i
             m.hit_value, m.cold_value = float(a[i]), float(b[i])
-            u = ulp_distance(a_stored[i:i + 1], b_stored[i:i + 1], self.dtype)
+            u = None if self.mixed else ulp_distance(a_stored[i:i + 1], b_stored[i:i + 1], self.dtype)
             m.worst_ulp = None if u is None else int(u[0])
-        elif self._first_diff is None and dmax == 0.0:  # values equal: any differing bits are -0.0/+0.0
+        elif self._first_diff is None and dmax == 0.0 and not self.mixed:  # values equal: any differing bits are -0.0/+0.0
             differ = bits(a_stored) != bits(b_stored)
             if differ.any():
                 i = int(differ.argmax())
                 self._first_diff = (off + i, float(a[i]), float(b[i]))
-        u = _max_ulp(a_stored, b_stored, self.dtype)
+        u = None if self.mixed else _max_ulp(a_stored, b_stored, self.dtype)
         if u is not None:
             m.max_ulp = max(m.max_ulp or 0, u)
         return True
@@ -227,11 +238,11 @@ class Accumulator:
     def _update(self, a_stored: np.ndarray, b_stored: np.ndarray) -> None:
         m, off = self.m, self._offset
         self._offset += a_stored.size
-        a, b = decode64(a_stored, self.dtype), decode64(b_stored, self.dtype)
+        a, b = decode64(a_stored, self.dtype), decode64(b_stored, self.cold_dtype)
         both = np.isfinite(a) & np.isfinite(b)
         d = abs_error(a, b)
         bad = nonfinite_mismatch(a, b)
-        differ = bits(a_stored) != bits(b_stored)
+        differ = (d > 0) | bad if self.mixed else bits(a_stored) != bits(b_stored)
         if self.tol.exact:
             beyond = differ
             sev = np.where(beyond, np.inf, 0.0)
@@ -252,7 +263,7 @@ class Accumulator:
             i = int(d.argmax())
             m.max_abs, self._worst_flat = float(d[i]), off + i
             m.hit_value, m.cold_value = float(a[i]), float(b[i])
-            u = ulp_distance(a_stored[i:i + 1], b_stored[i:i + 1], self.dtype)
+            u = None if self.mixed else ulp_distance(a_stored[i:i + 1], b_stored[i:i + 1], self.dtype)
             m.worst_ulp = None if u is None else int(u[0])
         if self._first_diff is None:
             diff = differ & both
@@ -265,7 +276,7 @@ class Accumulator:
                 m.first_nonfinite = self._unravel(off + i)
                 m.nonfinite_hit, m.nonfinite_cold = float(a[i]), float(b[i])
             m.n_nonfinite += int(bad.sum())
-        u = ulp_distance(a_stored[both], b_stored[both], self.dtype)
+        u = None if self.mixed else ulp_distance(a_stored[both], b_stored[both], self.dtype)
         if u is not None:
             m.max_ulp = max(m.max_ulp or 0, int(u.max()) if u.size else 0)
 
@@ -273,8 +284,8 @@ class Accumulator:
         return tuple(int(i) for i in np.unravel_index(flat, self.shape)) if self.shape else ()
 
     def result(self) -> PairMetrics:
-        """Finish: norms to rel L2 / cosine, flat indices to logical indices."""
-        m = self.m
+        """Finish: norms to rel L2 / cosine, flat indices to logical indices; the frozen record."""
+        m = types.SimpleNamespace(**vars(self.m))
         m.rel_l2 = _ratio(math.sqrt(self._ss_d), math.sqrt(self._ss_b))
         na, nb = math.sqrt(self._ss_a), math.sqrt(self._ss_b)
         m.cosine = 1.0 if na == nb == 0 else (0.0 if na * nb == 0 else self._dot / (na * nb))
@@ -284,7 +295,7 @@ class Accumulator:
             flat, m.hit_value, m.cold_value = self._first_diff
             m.worst_index = self._unravel(flat)
             m.worst_ulp = 0 if self.dtype in ULP_DTYPES else None
-        return m
+        return PairMetrics(**vars(m))
 
 
 def _ratio(num: float, den: float) -> float:
@@ -294,17 +305,22 @@ def _ratio(num: float, den: float) -> float:
 
 
 def compare_blocks(blocks: Iterable[tuple[np.ndarray, np.ndarray]], shape: tuple[int, ...],
-                   dtype: str, tol: Tolerance) -> PairMetrics:
-    """Metrics over (hit, cold) block pairs (flat, storage dtype, C order)."""
-    acc = Accumulator(shape, dtype, tol)
+                   dtype: str, tol: Tolerance, cold_dtype: str | None = None) -> PairMetrics:
+    """Metrics over (hit, cold) block pairs (flat, each in its storage dtype, C order).
+
+    ``dtype``/``cold_dtype``: logical dtypes of the hit and cold side (cold
+    defaults to the hit's).
+    """
+    acc = Accumulator(shape, dtype, tol, cold_dtype)
     for a, b in blocks:
         acc.update(a, b)
     return acc.result()
 
 
-def compare_arrays(hit: np.ndarray, cold: np.ndarray, dtype: str, tol: Tolerance) -> PairMetrics:
-    """Metrics of two in-memory stored arrays of the same shape."""
-    return compare_blocks([(hit.reshape(-1), cold.reshape(-1))], tuple(cold.shape), dtype, tol)
+def compare_arrays(hit: np.ndarray, cold: np.ndarray, dtype: str, tol: Tolerance,
+                   cold_dtype: str | None = None) -> PairMetrics:
+    """Metrics of two in-memory stored arrays of the same shape (logical dtypes as for ``compare_blocks``)."""
+    return compare_blocks([(hit.reshape(-1), cold.reshape(-1))], tuple(cold.shape), dtype, tol, cold_dtype)
 
 
 def identical(numel: int) -> PairMetrics:
@@ -314,18 +330,18 @@ def identical(numel: int) -> PairMetrics:
 
 def measure_pair(hit: "Trace", he: "TensorEntry", cold: "Trace", ce: "TensorEntry",
                  tol: Tolerance, block_bytes: int = STREAM_BLOCK_BYTES) -> PairMetrics:
-    """Two-phase compare of one aligned pair (same dtype and shape required).
+    """Two-phase compare of one aligned pair (same shape required; each side decoded with its own dtype).
 
-    Equal fingerprint hashes short-circuit without reading data; otherwise
-    both tensors stream block by block (memory ~ one block per side).
+    Equal fingerprint hashes (and dtypes) short-circuit without reading data;
+    otherwise both tensors stream block by block (memory ~ one block per side).
 
     Raises:
         TraceError: a tensor is missing or unreadable.
     """
-    if he.hash == ce.hash:
+    if he.hash == ce.hash and he.dtype == ce.dtype:
         return identical(ce.numel)
     blocks = paired_blocks(hit.iter_blocks(he, block_bytes), cold.iter_blocks(ce, block_bytes))
-    return compare_blocks(blocks, ce.shape, ce.dtype, tol)
+    return compare_blocks(blocks, ce.shape, he.dtype, tol, ce.dtype)
 
 
 def paired_blocks(a: Iterator[np.ndarray], b: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:

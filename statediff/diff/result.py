@@ -1,11 +1,20 @@
 """Result records of ``compare``: one type serves text, JSON and tests.
 
-``CompareResult.to_text()`` is the human report, ``to_json()`` the same
-content as one JSON-safe dict (non-finite floats become the strings "inf",
-"-inf", "nan"); ``exit_code`` is 0 (no divergence) or 1 (divergence).
+Every record is built complete and frozen. ``CompareResult.to_text()`` is
+the human report, ``to_json()`` the same content as one JSON-safe dict
+(non-finite floats become the strings "inf", "-inf", "nan"); ``exit_code``
+is 0 (SAME) or 1 (DIVERGED).
+
+The verdict (``CompareResult.cause``), first that applies: a captured
+tensor diverges ("tensor": DIVERGED at its root); the runner's block table
+differs from the scheduler's allocation ("block_table"); a sampled output
+or its log-probabilities differ while no captured tensor does ("outputs":
+the cause lies outside the captured state); else SAME. Never SAME while
+outputs differ.
 
 Text layout: the diagnosis line first (when there is one), the verdict,
-both traces, the tolerance policy, how the traces were paired, then each
+both traces, the tolerance policy, how the traces were paired, outputs,
+where the token streams part, digests and block tables, warnings, then each
 root in full, the next divergences one line each, unpaired tensors and the
 per-request table.
 """
@@ -18,8 +27,10 @@ from typing import Any
 
 from statediff.jsonutil import jsonable
 
+from .align import StreamPart
 from .diagnose import Diagnosis
 from .metrics import PairMetrics
+from .outputs import OutputDiff
 from .tolerance import Tolerance
 
 MAX_UNPAIRED_LISTED = 5
@@ -31,11 +42,17 @@ def _g(x: float | None, spec: str = ".4g") -> str:
 
 @dataclasses.dataclass
 class TraceSide:
-    """One compared trace: where it is and the run metadata a reader needs."""
+    """One compared trace: where it is, its run metadata and its request records (as the reader gives them).
+
+    ``requests`` (request index -> record: prompt/output token ids, hit
+    length, sampling, acceptance) lets the incident record and bundles work
+    from the result without opening the trace again; it is not in ``to_json``.
+    """
 
     path: str
     partial: bool
     run: dict
+    requests: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def to_text(self) -> str:
         r = self.run
@@ -49,14 +66,16 @@ class TraceSide:
         return {"path": self.path, "partial": self.partial} | {k: self.run.get(k) for k in keys}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Divergence:
     """One pair beyond tolerance, with its root/propagated verdict.
 
-    ``reason`` is "beyond tolerance", "NaN/Inf on one side only" or
-    "dtype/shape differ" (then ``metrics`` is None). For a root,
-    ``propagated`` counts the divergences attributed to it; for a propagated
-    one, ``root_key`` names its root and ``via`` how it was carried.
+    ``reason`` is "beyond tolerance", "NaN/Inf on one side only", "digest
+    differs" (a digest-only block: ``digests`` holds the hit and cold
+    digests, ``metrics`` is None) or "dtype/shape differ" (``metrics`` is
+    None). For a root, ``propagated`` counts the divergences attributed to
+    it; for a propagated one, ``root_key`` names its root and ``via`` how it
+    was carried.
     """
 
     request: int
@@ -77,6 +96,7 @@ class Divergence:
     via: str = ""
     propagated: int = 0
     propagated_same_request: int = 0
+    digests: tuple[str, str] | None = None
 
     @property
     def key(self) -> tuple[int, int, int, str]:
@@ -99,6 +119,10 @@ class Divergence:
                  f"  roles: hit {self.role_hit}, cold {self.role_cold}; {self.dtype} {self.shape}; "
                  f"tolerance {self.tolerance.describe()}"]
         m = self.metrics
+        if m is None and self.digests is not None:
+            lines.append(f"  digest differs: hit {self.digests[0]}, cold {self.digests[1]} (recorded as a "
+                         "digest only: bit-level, no values to measure)")
+            return "\n".join(lines)
         if m is None:
             lines.append(f"  dtype/shape differ: hit {self.dtype} {self.shape}, cold {self.layout_cold}")
             return "\n".join(lines)
@@ -126,7 +150,7 @@ class Divergence:
         head = f"request {self.request} position {self.position} layer {self.layer} {self.kind} [{tag}]"
         m = self.metrics
         if m is None:
-            return f"{head} dtype/shape differ"
+            return f"{head} {self.reason}"
         nonfin = f" NaN/Inf one side {m.n_nonfinite}" if m.n_nonfinite else ""
         noise = "" if self.noise_multiple is None else f" ({self.noise_multiple:.3g}x noise)"
         return (f"{head} max abs {_g(m.max_abs)}{noise} rel L2 {_g(m.rel_l2)} cos {_g(m.cosine, '.4f')} "
@@ -136,14 +160,14 @@ class Divergence:
         d = {k: getattr(self, k) for k in (
             "request", "position", "layer", "module", "kind", "role_hit", "role_cold", "dtype",
             "shape", "layout_cold", "reason", "root", "root_key", "via", "propagated",
-            "propagated_same_request")}
+            "propagated_same_request", "digests")}
         d["tolerance"] = self.tolerance.to_json()
         d["metrics"] = None if self.metrics is None else self.metrics.to_json()
         d["noise_multiple"] = self.noise_multiple
         return d
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Unpaired:
     """Tensors without a counterpart: counts and the first few of each side."""
 
@@ -166,9 +190,14 @@ class Unpaired:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RequestRow:
-    """One request on both sides: lengths, hit length, outputs, acceptance."""
+    """One request on both sides: lengths, hit length, outputs, acceptance.
+
+    ``output_diff`` is the request's first differing output (token id,
+    log-probability or top-k; ``first_output_diff`` is its index), and
+    ``stream_part`` where its token streams part (None when they do not).
+    """
 
     request: int
     prompt_len: tuple[int | None, int | None]
@@ -177,29 +206,141 @@ class RequestRow:
     first_output_diff: int | None
     outputs: str
     acceptance: tuple[dict | None, dict | None]
+    output_diff: OutputDiff | None = None
+    stream_part: StreamPart | None = None
+    # hit accounting of the hit run (statediff.replay.hits): the hit a perfect prefix cache could
+    # give, the earlier request it shares that prefix with, and the finding when the hit is off
+    expected_hit: int | None = None
+    expected_source: int | None = None
+    hit_finding: str | None = None
 
     def to_text(self) -> str:
         p = self.prompt_len[0] if self.prompt_len[0] == self.prompt_len[1] else \
             f"{self.prompt_len[0]}/{self.prompt_len[1]}"
         cached = "/".join("?" if c is None else str(c) for c in self.cached)
+        exp = "?" if self.expected_hit is None else str(self.expected_hit)
         acc = ""
         if any(self.acceptance):
             acc = "  acceptance hit " + "; cold ".join(
                 "-" if a is None else " ".join(f"{k}={_acc(v)}" for k, v in sorted(a.items()))
                 for a in self.acceptance)
-        return f"  {self.request:>7}  {str(p):>6}  {cached:>15}  {self.outputs}{acc}"
+        return f"  {self.request:>7}  {str(p):>6}  {cached:>15}  {exp:>8}  {self.outputs}{acc}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {
+            "output_diff": None if self.output_diff is None else self.output_diff.to_json(),
+            "stream_part": None if self.stream_part is None else self.stream_part.to_json()}
+
+
+@dataclasses.dataclass(frozen=True)
+class InputsDiffer:
+    """Pairs not judged because the runs fed different tokens before their position.
+
+    A state at position p summarises tokens [0, p); past the point where a
+    request's token streams part (``parts``), hit and cold states differ
+    because their inputs do, so such pairs are listed, never judged, never roots.
+    """
+
+    parts: tuple[StreamPart, ...] = ()
+    count: int = 0
+    first: tuple[str, ...] = ()
+
+    def to_text(self) -> str:
+        if not self.parts:
+            return ""
+        head = self.parts[0].text()
+        n = len(self.parts) - 1
+        more = "" if not n else f" (and in {n} more request{'s' if n > 1 else ''})"
+        if not self.count:
+            return f"{head}{more}; no captured pair lies past it"
+        txt = (f"inputs differ: {head}{more}; {self.count} later pairs saw other tokens: listed, "
+               "not judged, never roots")
+        return txt + "".join(f"\n  inputs differ: {label}" for label in self.first)
+
+    def to_json(self) -> dict:
+        return {"parts": [p.to_json() for p in self.parts], "count": self.count, "first": list(self.first)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestSummary:
+    """Digest-only blocks (``/digests``): how many were paired and judged.
+
+    ``unjudged`` counts pairs whose digests differ in default replay, where a
+    digest cannot be judged against a tolerance (rounding changes it as
+    surely as a fault) and the hit block matches no other cold block bit
+    for bit; ``first_unjudged`` labels the first few.
+    """
+
+    pairs: int = 0
+    identical: int = 0
+    unjudged: int = 0
+    first_unjudged: tuple[str, ...] = ()
+
+    def to_text(self) -> str:
+        if not self.pairs:
+            return ""
+        txt = f"digests: {self.pairs} digest-only blocks paired, {self.identical} bit-identical"
+        if self.unjudged:
+            txt += (f"; {self.unjudged} differ but cannot be judged in default replay (a digest holds no "
+                    "values to hold against a tolerance): unjudged, digest only; record both runs with "
+                    "--exact to judge them")
+            txt += "".join(f"\n  unjudged: {label}" for label in self.first_unjudged)
+        return txt
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTableFinding:
+    """A request whose block table row as the runner held it differs from the scheduler's allocation.
+
+    From the request record's ``hit_block_table`` (``{"runner": [[...]],
+    "scheduler": [[...]]}``, one row of physical block ids per KV-cache
+    group, logical block order; vLLM 0.32 ``v1/worker/block_table.py`` vs the
+    scheduler output's ``block_ids``). The attention kernel reads through
+    the runner's row, so a difference is itself a finding.
+
+    Attributes:
+        side: "hit" or "cold" (the trace whose record it is).
+        request, group: request index, KV-cache group index.
+        logical: first logical block whose physical ids differ.
+        runner, scheduler: the two physical block ids there.
+        differing: how many logical blocks of that row differ.
+    """
+
+    side: str
+    request: int
+    group: int
+    logical: int
+    runner: int
+    scheduler: int
+    differing: int
+
+    def text(self) -> str:
+        more = "" if self.differing == 1 else f" ({self.differing} logical blocks of this row differ)"
+        return (f"request {self.request}, KV-cache group {self.group}, logical block {self.logical}: the runner's "
+                f"block table maps physical block {self.runner}, the scheduler allocated {self.scheduler}{more}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"text": self.text()}
 
 
 def _acc(v: Any) -> str:
     return format(v, ".4g") if isinstance(v, float) else str(v)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class CompareResult:
-    """Everything ``compare`` found; ``exit_code`` 1 when any pair diverged."""
+    """Everything ``compare`` found; ``exit_code`` 1 for any verdict but SAME (see ``cause``).
+
+    Attributes beyond the pairing counts: ``outputs_policy`` (how outputs
+    were judged), ``output_diff`` (the first differing output over all
+    requests, in request order), ``inputs_differ`` (pairs past a parting of
+    the token streams), ``digests`` (digest-only blocks), ``block_tables``
+    (runner vs scheduler block table findings), ``outside_capture`` (the
+    captures to add when only outputs differ).
+    """
 
     hit: TraceSide
     cold: TraceSide
@@ -211,10 +352,24 @@ class CompareResult:
     diagnoses: list[Diagnosis]
     unpaired: Unpaired
     requests: list[RequestRow]
-    scores: list[tuple[int, int, int, str, float, int | None]] = dataclasses.field(repr=False, default_factory=list)
+    # one row per judged pair, for the heatmap: (request, position, layer, kind, severity, max ULP, rel L2)
+    scores: list[tuple[int, int, int, str, float, int | None, float | None]] = dataclasses.field(
+        repr=False, default_factory=list)
     max_listed: int = 10
     bit_identity: bool = False  # the policy expects bit identity (exact replay, no noise file)
     stopped_after: int | None = None  # pairs judged when compare stopped at the first divergence (--first)
+    outputs_policy: str = ""
+    output_diff: OutputDiff | None = None
+    inputs_differ: InputsDiffer = InputsDiffer()
+    digests: DigestSummary = DigestSummary()
+    block_tables: tuple[BlockTableFinding, ...] = ()
+    outside_capture: tuple[str, ...] = ()
+    # hit accounting (statediff.replay.hits): one line per hit that is off; with strict_hits
+    # (--strict-hits) any of them makes the exit code 1, whatever the verdict
+    hit_findings: tuple[str, ...] = ()
+    strict_hits: bool = False
+    # one line per trace that is incomplete (compared anyway: --allow-incomplete)
+    incomplete: tuple[str, ...] = ()
 
     @property
     def stopped_early(self) -> bool:
@@ -222,8 +377,19 @@ class CompareResult:
         return self.stopped_after is not None
 
     @property
+    def cause(self) -> str | None:
+        """"tensor", "block_table", "outputs" (first that applies), or None (SAME)."""
+        if self.divergences:
+            return "tensor"
+        if self.block_tables:
+            return "block_table"
+        if self.output_diff is not None:
+            return "outputs"
+        return None
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.divergences else 0
+        return 0 if self.cause is None and not (self.strict_hits and self.hit_findings) else 1
 
     @property
     def roots(self) -> list[Divergence]:
@@ -231,7 +397,44 @@ class CompareResult:
 
     @property
     def first(self) -> Divergence | None:
+        """The first divergent captured tensor (always a root), or None."""
         return self.divergences[0] if self.divergences else None
+
+    def headline(self) -> str:
+        """The verdict line: 'DIVERGED: ...' or 'SAME: ...'."""
+        first, cause = self.first, self.cause
+        if cause == "tensor":
+            return "DIVERGED: first divergence at " + first.where()
+        if cause == "block_table":
+            return ("DIVERGED: the runner's block table differs from the scheduler's allocation at "
+                    + self.block_tables[0].text() + "; no captured tensor differs")
+        if cause == "outputs":
+            return (f"DIVERGED: outputs differ at {self.output_diff.text()}, while no captured tensor that "
+                    "saw the same tokens differs")
+        return f"SAME: no divergence beyond tolerance in {self.pairs} pairs"
+
+    def outside_text(self) -> str:
+        """Why an outputs-only verdict points outside the captured state, and what to capture."""
+        if self.cause != "outputs":
+            return ""
+        add = "; ".join(self.outside_capture) if self.outside_capture else (
+            "nothing more can be captured: the difference arises after the last captured state "
+            "(LM head, logits processing, sampling)")
+        txt = f"  the cause lies outside the captured state; to localise it, record both runs again with: {add}"
+        if self.hit.run.get("replay") != "exact":
+            txt += ("\n  (default replay: chunking alone can flip a near-tied token; record both runs with --exact "
+                    "to tell a fault from rounding)")
+        return txt
+
+    def outputs_text(self) -> str:
+        """One line: how outputs were judged and what was found."""
+        if not self.requests:
+            return "outputs: no request records"
+        d = self.output_diff
+        found = (f"first differ at {d.text()}" if d is not None else
+                 "equal in every request" if all(r.outputs_equal for r in self.requests) else
+                 "equal wherever both traces have them")
+        return f"outputs: {found}; judged: {self.outputs_policy}"
 
     def summary(self) -> str:
         n, roots = len(self.divergences), len(self.roots)
@@ -245,13 +448,19 @@ class CompareResult:
                 f"({roots} root{'s' if roots != 1 else ''}, {n - roots} propagated)")
 
     def to_text(self) -> str:
-        out = [d.text for d in self.diagnoses[:1]]
-        first = self.first
-        out.append("DIVERGED: first divergence at " + first.where() if first
-                   else f"SAME: no divergence beyond tolerance in {self.pairs} pairs")
+        out = [f"INCOMPLETE: {t}" for t in self.incomplete]
+        out += [d.text for d in self.diagnoses[:1]]
+        out.append(self.headline())
+        if self.outside_text():
+            out.append(self.outside_text())
         out += [f"hit:  {self.hit.to_text()}", f"cold: {self.cold.to_text()}",
-                f"tolerance: {self.policy}", self.summary()]
+                f"tolerance: {self.policy}", self.summary(), self.outputs_text()]
+        out += [t for t in (self.inputs_differ.to_text(), self.digests.to_text()) if t]
+        out += [f"block table: {b.text()} ({b.side} run)" for b in self.block_tables]
         out += [f"warning: {w}" for w in self.warnings]
+        out += [f"hit finding: {f}" for f in self.hit_findings]
+        if self.strict_hits and self.hit_findings:
+            out.append(f"--strict-hits: {len(self.hit_findings)} hit finding(s), exit code 1")
         roots = self.roots
         for i, d in enumerate(roots, 1):
             later = d.propagated - d.propagated_same_request
@@ -270,7 +479,7 @@ class CompareResult:
             out += ["", f"next divergences ({len(self.divergences) - 1} more, first {len(rest)} listed):"]
             out += [f"  {d.short()}" for d in rest]
         out += ["", self.unpaired.to_text(), "", "requests:",
-                f"  {'request':>7}  {'prompt':>6}  {'cached hit/cold':>15}  outputs"]
+                f"  {'request':>7}  {'prompt':>6}  {'cached hit/cold':>15}  {'expected':>8}  outputs"]
         out += [r.to_text() for r in self.requests]
         return "\n".join(out)
 
@@ -279,12 +488,16 @@ class CompareResult:
         return jsonable({
             "statediff": "compare",
             "exit_code": self.exit_code,
-            "verdict": "diverged" if first else "same",
+            "verdict": "same" if self.cause is None else "diverged",
+            "cause": self.cause,
+            "headline": self.headline(),
+            "outside_capture": list(self.outside_capture) if self.cause == "outputs" else [],
             "diagnosis": self.diagnoses[0].to_json() if self.diagnoses else None,
             "diagnoses": [d.to_json() for d in self.diagnoses],
             "hit": self.hit.to_json(),
             "cold": self.cold.to_json(),
             "tolerance_policy": self.policy,
+            "outputs_policy": self.outputs_policy,
             "warnings": self.warnings,
             "pairs": self.pairs,
             "stopped_early": self.stopped_early,
@@ -294,6 +507,13 @@ class CompareResult:
             "first": first.to_json() if first else None,
             "roots": [d.to_json() for d in self.roots],
             "next": [d.to_json() for d in self.divergences[1:self.max_listed + 1]],
+            "output_diff": None if self.output_diff is None else self.output_diff.to_json(),
+            "inputs_differ": self.inputs_differ.to_json(),
+            "digests": self.digests.to_json(),
+            "block_tables": [b.to_json() for b in self.block_tables],
             "unpaired": self.unpaired.to_json(),
             "requests": [r.to_json() for r in self.requests],
+            "incomplete": list(self.incomplete),
+            "hit_findings": list(self.hit_findings),
+            "strict_hits": self.strict_hits,
         })

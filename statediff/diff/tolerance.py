@@ -13,6 +13,12 @@ The policy picks, for each pair, the first that applies of:
 
 Every tensor ends in one of these, so nothing goes unjudged.
 
+A pair whose two sides have different logical dtypes (vLLM's bf16 SSM state
+against transformers' float32 one, or traces from CPUs that chose different
+state dtypes) cannot be bit-identical: after ``--tol`` rules it is judged by
+the dtype default of the *less precise* of the two dtypes, since that side's
+own rounding is the smallest difference it can show (``Policy.for_pair``).
+
 Rule syntax (``--tol``): ``PATTERN=ATOL,RTOL``, e.g. ``gdn.ssm_state=1e-6,1e-5``
 or ``attn.*=0,0``. PATTERN is an fnmatch glob matched against the tensor
 kind (``gdn.ssm_state``), the module name (``model.layers.3.*``) or
@@ -149,6 +155,23 @@ class Policy:
             return Tolerance(0.0, 0.0, "exact replay")
         atol, rtol = dtype_default(entry.dtype)
         return Tolerance(atol, rtol, f"dtype default {entry.dtype}")
+
+    def for_pair(self, hit: "TensorEntry", cold: "TensorEntry") -> Tolerance:
+        """Tolerance for an aligned pair: ``for_entry(cold)``, unless the dtypes differ.
+
+        With different logical dtypes: the first matching ``--tol`` rule, else
+        the dtype default of the less precise dtype (the larger atol), never
+        bit identity nor a noise envelope (calibrated on one dtype).
+        """
+        if hit.dtype == cold.dtype:
+            return self.for_entry(cold)
+        for rule in self.rules:
+            if rule.matches(cold):
+                return Tolerance(rule.atol, rule.rtol, f"--tol {rule.pattern}")
+        narrow = max((hit.dtype, cold.dtype), key=lambda d: dtype_default(d))
+        atol, rtol = dtype_default(narrow)
+        return Tolerance(atol, rtol, f"dtype default {narrow}: hit {hit.dtype} vs cold {cold.dtype}, "
+                                     "each decoded with its own dtype")
 
     def describe(self) -> str:
         """One line naming the policy, as the report states it."""

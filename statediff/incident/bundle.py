@@ -1,40 +1,11 @@
-"""``extract``: the smallest pair of traces that still shows the root divergence, in one .zip.
+"""Bundle I/O: write the zip ``extract`` makes from a compare result, and open one for ``compare``.
 
-A bundle is what a user attaches to an upstream bug report. It holds, under
-one folder named after the zip (``bundle.zip`` -> ``bundle/``):
-
-- ``hit.h5``, ``cold.h5``: valid traces (written with ``TraceWriter``, so
-  the same format) holding only
-  1. the first divergent tensor (the root), on both sides;
-  2. the same layer's tensors of the root's kind and its sibling kinds
-     (e.g. conv and SSM state; K and V) at the root position and at
-     ``neighbours`` boundaries on each side of it in that request, on both
-     sides (the union of both traces' positions: in the hit trace the
-     boundary before a hit often exists only on the cold side);
-  3. the cold tensor the diagnosis says the wrong hit tensor matches (e.g.
-     the cold state one block earlier), if any;
-  and ALL run metadata and request records (token ids, hit lengths, chunks,
-  acceptance). The run metadata gains one key, ``extracted_from``.
-- ``report.md``: the incident record (``statediff.incident.record``) of the full
-  traces, with a section listing what the bundle keeps and why.
-- ``heatmap.png``: ``compare --plot`` of the full traces (skipped, with a
-  note, when matplotlib is missing or with ``plot=False``).
-- ``replay.jsonl``: the prompts (token ids) and sampling of every request,
-  a conversation file ``statediff record`` replays as is.
-- ``noise.json``: the noise file the pair was judged with, if any.
-- ``manifest.json``: format, the compare options, the root, the diagnosis,
-  the tensors kept and why, member sizes.
-
-Before the zip is moved into place, ``extract`` checks that (a) every
-extracted tensor's fingerprint (hash, NaN/Inf counts, min, max; sums within
-float64 rounding) equals the original's, (b) ``compare`` on the extracted
-pair, with the same options, names the same root (request, position, layer,
-kind) and the same diagnosis, and (c) the zip fits ``max_mb`` (default 25
-MB: GitHub's attachment limit). Any failure is a ``StatediffError`` and no
-file is left behind.
-
-``open_bundle`` unpacks a bundle's traces for ``statediff compare
-bundle.zip`` (only the known members, size-checked, under fixed names).
+A bundle (``bundle.zip`` -> folder ``bundle/``) holds ``hit.h5`` and
+``cold.h5`` (valid traces with only the selected tensors and every run and
+request record), ``report.md``, ``heatmap.png``, ``replay.jsonl``, an
+optional ``noise.json`` and ``manifest.json``; docs/bundles.md describes
+each member and the checks made before the zip is moved into place.
+``open_bundle`` reads only the known members, size-checked, under fixed names.
 """
 
 from __future__ import annotations
@@ -52,12 +23,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from statediff.errors import StatediffError
 from statediff.diff.result import CompareResult, Divergence
+from statediff.errors import StatediffError, first_line
 from statediff.jsonutil import jsonable
 from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import TensorEntry
 from statediff.trace.writer import TraceWriter
+
+from .record import build_report
+from .reproduce import CompareOptions
+from .select import Kept, Selection, select
 
 FORMAT = "statediff.bundle"
 VERSION = 1
@@ -67,36 +42,8 @@ MAX_MEMBER_BYTES = 4 << 30  # open_bundle refuses members declaring more (zip bo
 RAW_FACTOR = 20  # refuse before reading when the selection's raw bytes exceed this x max_mb
 MEMBERS = ("hit.h5", "cold.h5", "report.md", "heatmap.png", "replay.jsonl", "noise.json", "manifest.json")
 
-PathLike = str | os.PathLike
-
 
 @dataclasses.dataclass(frozen=True)
-class Kept:
-    """One tensor kept in the bundle: which trace it is from and why it was kept."""
-
-    side: str  # "hit" or "cold"
-    entry: TensorEntry
-    why: str
-
-    def to_json(self) -> dict:
-        e = self.entry
-        return {"side": self.side, "request": e.request, "position": e.position, "layer": e.layer,
-                "kind": e.kind, "role": e.role, "module": e.module, "dtype": e.dtype,
-                "shape": list(e.shape), "hash": e.hash, "why": self.why}
-
-
-@dataclasses.dataclass
-class Selection:
-    """What a bundle keeps of each trace (entries in causal order)."""
-
-    root: tuple[int, int, int, str]
-    kept: list[Kept]
-
-    def entries(self, side: str) -> list[TensorEntry]:
-        return [k.entry for k in self.kept if k.side == side]
-
-
-@dataclasses.dataclass
 class BundleResult:
     """Outcome of ``extract``; ``exit_code`` is 0 (written).
 
@@ -156,52 +103,6 @@ def _size(n: int) -> str:
     return f"{n / MB:.2f} MB" if n >= MB else f"{n / 1000:.1f} kB"
 
 
-def select(result: CompareResult, hit: Trace, cold: Trace, *, neighbours: int = 1,
-           siblings: bool = True) -> Selection:
-    """Choose the tensors a bundle keeps for ``result``'s first (root) divergence.
-
-    Args:
-        result: ``compare`` of ``hit`` against ``cold`` (with a divergence).
-        hit, cold: the open traces.
-        neighbours: boundaries kept on each side of the root position (0: none).
-        siblings: keep the layer's other kinds (conv with SSM, V with K).
-
-    Raises:
-        StatediffError: ``result`` has no divergence.
-    """
-    root = result.first
-    if root is None:
-        raise StatediffError("no divergence: nothing to extract")
-    r, p, layer, kind = root.key
-    scope = (lambda e: e.request == r and e.layer == layer and (siblings or e.kind == kind))
-    kinds = {e.kind for t in (hit, cold) for e in t.entries if scope(e)}
-    positions = sorted({e.position for t in (hit, cold) for e in t.entries if scope(e)})
-    i = positions.index(p) if p in positions else 0
-    near = set(positions[max(0, i - neighbours): i + neighbours + 1]) | {p}
-    match = None
-    for g in result.diagnoses:
-        if (g.request, g.position, g.layer, g.kind) == root.key and g.match_request is not None:
-            match = (g.match_request, g.match_position, g.layer, g.kind)
-            break
-    kept = []
-    for side, t in (("hit", hit), ("cold", cold)):
-        for e in t.entries:
-            if e.key == root.key:
-                why = "root divergence"
-            elif side == "cold" and e.key == match:
-                why = "what the diagnosis says the wrong hit tensor matches"
-            elif scope(e) and e.kind in kinds and e.position in near:
-                what = "same kind" if e.kind == kind else "sibling kind"
-                where = "at the root position" if e.position == p else (
-                    f"{abs(e.position - p)} tokens {'before' if e.position < p else 'after'} the root")
-                why = f"{what}, {where}"
-            else:
-                continue
-            kept.append(Kept(side, e, why))
-    kept.sort(key=lambda k: (k.side != "hit", k.entry.causal_order, k.entry.step))
-    return Selection(root.key, kept)
-
-
 def _copy_trace(src: Trace, entries: Sequence[TensorEntry], out: Path, extra_run: dict) -> list[TensorEntry]:
     """Write ``entries`` of ``src`` (and all its run/request metadata) as a new trace at ``out``.
 
@@ -215,8 +116,7 @@ def _copy_trace(src: Trace, entries: Sequence[TensorEntry], out: Path, extra_run
             outputs = rec.pop("output_token_ids", None) or []
             request_id = rec.pop("request_id", None)
             rec.pop("index", None)
-            w.begin_request(i, request_id, prompt, **rec)
-            w.update_request(i, output_token_ids=outputs)
+            w.begin_request(i, request_id, prompt, output_token_ids=outputs, **rec)  # with its logprobs
         order = sorted(entries, key=lambda e: (e.step, e.causal_order))
         for e in order:
             w.add(src.read(e), request=e.request, position=e.position, layer=e.layer, kind=e.kind,
@@ -234,7 +134,7 @@ def _copy_trace(src: Trace, entries: Sequence[TensorEntry], out: Path, extra_run
 def _same_moment(a: float, b: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
-    return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b)) + 1e-300
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-300)
 
 
 def verify_fingerprints(written: Sequence[TensorEntry], path: Path) -> int:
@@ -303,38 +203,15 @@ def _bundle_lines(sel: Selection, folder: str, notes: list[str]) -> list[str]:
     return out
 
 
-def extract(hit_path: PathLike, cold_path: PathLike, out: PathLike, *, max_mb: float = GITHUB_LIMIT_MB,
-            neighbours: int = 1, siblings: bool = True, plot: bool = True, overwrite: bool = False,
-            tol: Sequence[str] = (), noise: PathLike | None = None, noise_factor: float | None = None,
-            allow_engine_mismatch: bool = False, allow_noise_in_exact: bool = False,
-            progress: bool = False) -> BundleResult:
-    """Write the bundle of the root divergence between ``hit_path`` and ``cold_path``.
-
-    Args:
-        hit_path, cold_path: the full traces.
-        out: the .zip to write (its stem names the folder inside).
-        max_mb: refuse a bundle over this many decimal MB (GitHub: 25).
-        neighbours: boundaries kept on each side of the root (``select``).
-        siblings: keep the root layer's sibling kinds.
-        plot: add the heatmap (needs matplotlib; without it a note says so).
-        overwrite: replace an existing ``out``.
-        tol, noise, noise_factor, allow_engine_mismatch, allow_noise_in_exact:
-            the ``compare`` options; the same ones judge the extracted pair.
-        progress: progress bar for the full comparison.
+def check_output(out: str | os.PathLike, *, overwrite: bool = False,
+                 max_mb: float = GITHUB_LIMIT_MB) -> Path:
+    """Refuse a bundle path before any work: not a .zip, exists (without ``overwrite``), no directory.
 
     Returns:
-        what was written and checked.
-
+        ``out`` as a Path.
     Raises:
-        StatediffError: no divergence (nothing to extract), ``out`` exists
-            or cannot be written, the bundle does not fit ``max_mb``, or a
-            check failed (fingerprints, root, diagnosis); TraceError and
-            MismatchError as ``compare``.
+        StatediffError: one of the above, or ``max_mb`` not positive.
     """
-    from statediff.diff.compare import compare
-    from statediff.incident.record import build_report, compare_options
-    from statediff.diff.noise import DEFAULT_FACTOR
-
     out = Path(out)
     if out.suffix.lower() != ".zip":
         raise StatediffError(f"bundle {out}: the output must be a .zip file")
@@ -345,23 +222,53 @@ def extract(hit_path: PathLike, cold_path: PathLike, out: PathLike, *, max_mb: f
         raise StatediffError(f"cannot write bundle {out}: directory {parent} does not exist")
     if not max_mb > 0:
         raise StatediffError(f"--max-mb must be positive, not {max_mb:g}")
-    factor = DEFAULT_FACTOR if noise_factor is None else noise_factor
-    options = dict(tol=list(tol), noise=noise, noise_factor=factor, allow_engine_mismatch=allow_engine_mismatch,
-                   allow_noise_in_exact=allow_noise_in_exact)
-    result = compare(hit_path, cold_path, progress=progress, **options)
+    return out
+
+
+def write_bundle(result: CompareResult, out: str | os.PathLike, options: CompareOptions = CompareOptions(), *,
+                 max_mb: float = GITHUB_LIMIT_MB, neighbours: int = 1, siblings: bool = True,
+                 plot: bool = True, overwrite: bool = False) -> BundleResult:
+    """Write the bundle of ``result``'s root divergence.
+
+    Opens the two traces named by ``result`` once, to copy the selected
+    tensors; checks the copies' fingerprints and that ``compare`` on the
+    extracted pair (with ``options``) names the same root and diagnosis;
+    then moves the zip into place.
+
+    Args:
+        result: ``compare`` of the full traces, run with ``options``.
+        out: the .zip to write (its stem names the folder inside).
+        options: the options that judged the pair; they travel in the manifest.
+        max_mb: refuse a bundle over this many decimal MB (GitHub: 25).
+        neighbours: boundaries kept on each side of the root (``select``).
+        siblings: keep the root layer's sibling kinds.
+        plot: add the heatmap (needs matplotlib; without it a note says so).
+        overwrite: replace an existing ``out``.
+
+    Returns:
+        what was written and checked.
+
+    Raises:
+        StatediffError: no divergence (nothing to extract), ``out`` refused
+            (``check_output``), the bundle does not fit ``max_mb``, or a
+            check failed (fingerprints, root, diagnosis); TraceError when a
+            trace cannot be read again.
+    """
+    from statediff.diff.compare import compare
+
+    out = check_output(out, overwrite=overwrite, max_mb=max_mb)
+    parent = out.parent if str(out.parent) else Path(".")
     if result.first is None:
-        raise StatediffError(f"no divergence between {hit_path} and {cold_path} ({result.pairs} pairs "
-                             "within tolerance): nothing to extract")
+        raise StatediffError(f"no divergence between {result.hit.path} and {result.cold.path} "
+                             f"({result.pairs} pairs within tolerance): nothing to extract")
     folder = out.stem or "bundle"
     notes: list[str] = []
-    with open_trace(hit_path) as hit, open_trace(cold_path) as cold:
-        sel = select(result, hit, cold, neighbours=neighbours, siblings=siblings)
+    with open_trace(result.hit.path) as hit, open_trace(result.cold.path) as cold:
+        sel = select(result, hit.entries, cold.entries, neighbours=neighbours, siblings=siblings)
         raw = sum(hit.nbytes(k.entry) if k.side == "hit" else cold.nbytes(k.entry) for k in sel.kept)
         if raw > RAW_FACTOR * max_mb * MB:
             raise StatediffError(f"the tensors to extract hold {_size(raw)} uncompressed: far over "
                                  f"--max-mb {max_mb:g} (try --no-neighbours)")
-        runs = (dict(hit.run), dict(cold.run))
-        reqs = (dict(hit.requests), dict(cold.requests))
         for t in (hit, cold):
             if t.partial:
                 notes.append(f"{t.path} is partial ({t.partial_reason}); its extract is a complete file")
@@ -369,19 +276,19 @@ def extract(hit_path: PathLike, cold_path: PathLike, out: PathLike, *, max_mb: f
             d = Path(tmp) / folder
             d.mkdir()
             written = {}
-            for side, t, src_path in (("hit", hit, hit_path), ("cold", cold, cold_path)):
-                extra = {"extracted_from": {"path": str(src_path), "partial": t.partial,
+            for side, t, src in (("hit", hit, result.hit.path), ("cold", cold, result.cold.path)):
+                extra = {"extracted_from": {"path": src, "partial": t.partial,
                                             "tensors": len(t.entries), "kept": len(sel.entries(side)),
                                             "root": list(sel.root)}}
                 written[side] = _copy_trace(t, sel.entries(side), d / f"{side}.h5", extra)
             verified = [f"fingerprints of {verify_fingerprints(written['hit'], d / 'hit.h5')} hit and "
                         f"{verify_fingerprints(written['cold'], d / 'cold.h5')} cold tensors equal the originals"]
             noise_name = None
-            if noise is not None:
-                shutil.copyfile(noise, d / "noise.json")
+            if options.noise is not None:
+                shutil.copyfile(options.noise, d / "noise.json")
                 noise_name = "noise.json"
-            again = compare(d / "hit.h5", d / "cold.h5", **(options | {"noise": d / "noise.json"
-                                                                        if noise_name else None}))
+            again = compare(d / "hit.h5", d / "cold.h5",
+                            **(options.kwargs() | {"noise": d / "noise.json" if noise_name else None}))
             _check_same(result, again)
             verified.append("statediff compare on the extracted pair finds the same root and diagnosis")
             if not plot:
@@ -389,27 +296,25 @@ def extract(hit_path: PathLike, cold_path: PathLike, out: PathLike, *, max_mb: f
             elif not have_matplotlib():
                 notes.append("heatmap skipped: matplotlib is not installed (pip install 'statediff[plot]')")
             else:
-                from statediff.diff.plot import plot as write_plot
+                from statediff.diff.plot import write_plot
 
                 write_plot(result, d / "heatmap.png")
-            (d / "replay.jsonl").write_text("\n".join(replay_lines(reqs[0])) + "\n", encoding="utf-8")
+            (d / "replay.jsonl").write_text("\n".join(replay_lines(result.hit.requests)) + "\n",
+                                            encoding="utf-8")
             diag = next((g.text for g in result.diagnoses
                          if (g.request, g.position, g.layer, g.kind) == sel.root), None)
-            opts = compare_options([str(x) for x in tol], noise_name and f"{folder}/noise.json",
-                                   factor if noise is not None else None)
-            report = build_report(result, *runs, *reqs, tol=[str(x) for x in tol],
-                                  noise=None if noise is None else str(noise),
-                                  noise_factor=factor if noise is not None else None,
-                                  bundle=out.name, bundle_lines=_bundle_lines(sel, folder, notes),
+            report = build_report(result, options, bundle=out.name,
+                                  bundle_lines=_bundle_lines(sel, folder, notes),
                                   replay_file=f"{folder}/replay.jsonl")
             (d / "report.md").write_text(report.to_markdown(), encoding="utf-8")
+            noise = options.noise is not None
             manifest = {"format": FORMAT, "version": VERSION, "folder": folder,
-                        "root": list(sel.root), "diagnosis": diag, "compare_options": opts,
-                        "tol": [str(x) for x in tol], "noise": noise_name,
-                        "noise_factor": factor if noise is not None else None,
-                        "allow_engine_mismatch": allow_engine_mismatch,
-                        "allow_noise_in_exact": allow_noise_in_exact,
-                        "sources": {"hit": str(hit_path), "cold": str(cold_path)},
+                        "root": list(sel.root), "diagnosis": diag,
+                        "compare_options": options.argv(noise_name and f"{folder}/noise.json"),
+                        "tol": list(options.tol), "noise": noise_name,
+                        "noise_factor": options.factor if noise else None,
+                        **{flag: getattr(options, flag) for flag in CompareOptions.FLAGS},
+                        "sources": {"hit": result.hit.path, "cold": result.cold.path},
                         "kept": [k.to_json() for k in sel.kept], "notes": notes}
             (d / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1) + "\n", encoding="utf-8")
             tmp_zip = Path(tmp) / "bundle.zip"
@@ -425,7 +330,7 @@ def extract(hit_path: PathLike, cold_path: PathLike, out: PathLike, *, max_mb: f
             except OSError as e:
                 raise StatediffError(f"cannot write bundle {out}: {e.strerror or e}") from None
     return BundleResult(path=str(out), bytes=size, max_mb=max_mb, members=members, root=result.first,
-                        diagnosis=diag, kept=sel.kept,
+                        diagnosis=diag, kept=list(sel.kept),
                         source_tensors=(len(hit.entries), len(cold.entries)), verified=verified, notes=notes)
 
 
@@ -461,7 +366,7 @@ def _write_zip(path: Path, d: Path, folder: str) -> list[tuple[str, int]]:
     return members
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Bundle:
     """An unpacked bundle: paths of its traces (and noise file) plus its manifest."""
 
@@ -472,14 +377,18 @@ class Bundle:
     manifest: dict
 
 
-def is_bundle(path: PathLike) -> bool:
-    """True when ``path`` is a zip file (``open_bundle`` then says whether it is a bundle)."""
+def looks_like_bundle(path: str | os.PathLike) -> bool:
+    """True when ``path`` is meant as a bundle: named ``*.zip``, or a zip file whatever its name.
+
+    ``compare`` with one argument opens such a path with ``open_bundle``, whose
+    refusal then says what is wrong with the zip (missing, damaged, not a bundle).
+    """
     p = Path(path)
-    return p.is_file() and zipfile.is_zipfile(p)
+    return p.suffix.lower() == ".zip" or (p.is_file() and zipfile.is_zipfile(p))
 
 
 @contextlib.contextmanager
-def open_bundle(path: PathLike) -> Iterator[Bundle]:
+def open_bundle(path: str | os.PathLike) -> Iterator[Bundle]:
     """Unpack a bundle's traces (and noise file) into a temporary directory.
 
     Only the members named in ``MEMBERS`` under the manifest's folder are
@@ -491,10 +400,17 @@ def open_bundle(path: PathLike) -> Iterator[Bundle]:
             newer version, a missing trace member, or an oversized member.
     """
     p = Path(path)
+    if not p.exists():
+        raise StatediffError(f"bundle {p} does not exist")
+    if not p.is_file():
+        raise StatediffError(f"bundle {p} is not a file (a bundle is the .zip 'statediff extract' writes)")
     try:
         z = zipfile.ZipFile(p)
-    except (OSError, zipfile.BadZipFile) as e:
-        raise StatediffError(f"{p} is not a statediff bundle (not a readable zip: {e})") from None
+    except zipfile.BadZipFile as e:
+        raise StatediffError(f"bundle {p} is not a readable zip file: damaged, truncated or not a zip "
+                             f"({first_line(e)})") from None
+    except OSError as e:
+        raise StatediffError(f"bundle {p}: cannot read ({e.strerror or first_line(e)})") from None
     with z, tempfile.TemporaryDirectory(prefix="statediff-bundle-") as tmp:
         infos = {i.filename: i for i in z.infolist()}
         manifests = [n for n in infos if n.count("/") == 1 and n.endswith("/manifest.json")]
@@ -522,7 +438,8 @@ def open_bundle(path: PathLike) -> Iterator[Bundle]:
                             raise StatediffError(f"bundle {p}: {info.filename} is longer than it declares")
                         f.write(chunk)
             except (OSError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
-                raise StatediffError(f"bundle {p}: cannot read {info.filename} ({e})") from None
+                raise StatediffError(f"bundle {p}: cannot read {info.filename}, the zip is damaged "
+                                     f"({first_line(e)})") from None
             return dst
 
         mpath = member("manifest.json")
@@ -540,12 +457,14 @@ def open_bundle(path: PathLike) -> Iterator[Bundle]:
                      member("noise.json", required=False) if manifest.get("noise") else None, manifest)
 
 
-def compare_bundle(path: PathLike, *, tol: Sequence[str] = (), noise: PathLike | None = None,
+def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOptions(),
                    **kw: Any) -> CompareResult:
     """``compare`` the two traces of a bundle, with the bundle's own options unless given.
 
-    ``tol`` and ``noise`` default to those the bundle was extracted with
-    (its manifest); other keywords go to ``compare``. The result names the
+    ``options.tol``, ``options.noise`` and ``options.noise_factor`` default
+    to those the bundle was extracted with (its manifest); a flag (``allow_*``, ``strict_hits``) is
+    on when either asks for it. Other keywords (``max_listed``,
+    ``progress``, ``stop_at_first``) go to ``compare``. The result names the
     traces as ``bundle.zip:folder/hit.h5``.
 
     Raises:
@@ -555,16 +474,17 @@ def compare_bundle(path: PathLike, *, tol: Sequence[str] = (), noise: PathLike |
 
     with open_bundle(path) as b:
         m = b.manifest
-        tol = tuple(tol) or tuple(str(x) for x in m.get("tol") or [] if isinstance(x, str))
+        tol = options.tol or tuple(str(x) for x in m.get("tol") or [] if isinstance(x, str))
+        noise, factor = options.noise, options.noise_factor
         if noise is None and b.noise is not None:
-            noise = b.noise
-            if isinstance(m.get("noise_factor"), (int, float)) and "noise_factor" not in kw:
-                kw["noise_factor"] = float(m["noise_factor"])
-        for key in ("allow_engine_mismatch", "allow_noise_in_exact"):
-            if m.get(key) is True and not kw.get(key):
-                kw[key] = True
-        result = compare(b.hit, b.cold, tol=tol, noise=noise, **kw)
-        folder = m.get("folder") or b.hit.parent.name
-        result.hit.path = f"{path}:{folder}/hit.h5"
-        result.cold.path = f"{path}:{folder}/cold.h5"
-        return result
+            noise = str(b.noise)
+            if factor is None and isinstance(m.get("noise_factor"), (int, float)):
+                factor = float(m["noise_factor"])
+        flags = {key: getattr(options, key) or m.get(key) is True for key in CompareOptions.FLAGS}
+        used = CompareOptions(tol=tuple(tol), noise=noise, noise_factor=factor, **flags)
+        result = compare(b.hit, b.cold, **used.kwargs(), **kw)
+    folder = m.get("folder") or b.hit.parent.name
+    # the traces were unpacked to a temporary directory: name them by the zip instead
+    return dataclasses.replace(
+        result, hit=dataclasses.replace(result.hit, path=f"{path}:{folder}/hit.h5"),
+        cold=dataclasses.replace(result.cold, path=f"{path}:{folder}/cold.h5"))

@@ -1,34 +1,25 @@
-"""The incident record: a Markdown report of a hit/cold pair, ready to paste into an issue.
+"""The incident record: a Markdown report of a compared hit/cold pair, ready to paste into an issue.
 
-It answers what maintainers ask for first (engine version and commit,
-target checkpoint and quantization format, drafter and method, speculative
-tokens, prompt tokens and prefix-cache hit per turn, mamba cache mode,
-acceptance, seed and sampling, whether reuse was forced off, replay mode,
-block size), then the root divergence and its diagnosis from ``compare``,
-then the commands that reproduce the traces. Every value comes from the
-traces' run metadata and request records; a field the traces do not know
-is written ``unknown``, never left out.
-
-For engines whose adapter always records the speculative and quantization
-configuration (``ENGINES_RECORDING_CONFIG``: vLLM), a null there means
-"none" (no drafter, unquantized), not "unknown".
-
-One record type (``IncidentReport``) serves Markdown (``to_markdown``, also
-``to_text``), JSON (``to_json``) and tests (``field(label)``).
+``build_report`` turns a ``CompareResult`` (which carries both traces' run
+metadata and request records) into one ``IncidentReport``: the fields
+maintainers ask for, one row per turn, the root divergence and its
+diagnosis, and the reproduce commands. No I/O. A field the traces do not
+know is ``unknown``; for engines that always record their speculative and
+quantization configuration (``ENGINES_RECORDING_CONFIG``) a null means none;
+a recorded ``"none"`` (``speculative_method``, ``quantization``) means none for any engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shlex
 from collections.abc import Sequence
 from typing import Any
 
 from statediff.diff.result import CompareResult
 from statediff.jsonutil import jsonable
-from statediff.trace.reader import open_trace
+
+from .reproduce import CompareOptions, reproduce_lines, speculative
 
 UNKNOWN = "unknown"
 ENGINES_RECORDING_CONFIG = ("vllm",)
@@ -39,12 +30,11 @@ FIELD_LABELS = (
     "mamba block size", "block size", "max num batched tokens", "replay mode", "cache reuse (hit run)",
     "cache reuse forced off (cold run)", "seed", "sampling", "enforce eager", "conversation",
     "requests", "planted fault", "prompt tokens per turn", "prefix-cache hit per turn (hit run)",
-    "prefix-cache hit per turn (cold run)", "acceptance per turn (hit run)",
+    "prefix-cache hit per turn (cold run)", "expected hit per turn (perfect prefix cache)", "hit findings",
+    "acceptance per turn (hit run)",
     "acceptance per turn (cold run)", "outputs", "root divergence", "diagnosis", "statediff version",
     "traces",
 )
-
-PathLike = str | os.PathLike
 
 
 @dataclasses.dataclass
@@ -55,7 +45,7 @@ class TurnRow:
     prompt_tokens: int | None
     cached_hit: int | None
     cached_cold: int | None
-    expected_hit: int | None  # boundary sweeps only
+    expected_hit: int | None  # a sweep's own expectation, else the hit accounting's (perfect prefix cache)
     label: str | None  # boundary sweeps only ("2B+1")
     outputs: str
     acceptance_hit: str
@@ -99,16 +89,17 @@ class IncidentReport:
         out = [f"# {self.title}", "", "| field | value |", "| --- | --- |"]
         out += [f"| {k} | {_cell(v)} |" for k, v in self.fields]
         sweep = any(t.label is not None for t in self.turns)
+        expected = any(t.expected_hit is not None for t in self.turns)  # sweeps, and hit accounting
         out += ["", "## Turns", ""]
         head = ["request"] + (["sweep length"] if sweep else []) + [
             "prompt tokens", "cached (hit run)", "cached (cold run)"] + (
-            ["expected hit"] if sweep else []) + ["outputs hit vs cold", "acceptance (hit run)",
-                                                  "acceptance (cold run)"]
+            ["expected hit"] if expected else []) + ["outputs hit vs cold", "acceptance (hit run)",
+                                                     "acceptance (cold run)"]
         out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for t in self.turns:
             row = [str(t.request)] + ([t.label or UNKNOWN] if sweep else []) + [
                 _n(t.prompt_tokens), _n(t.cached_hit), _n(t.cached_cold)] + (
-                [_n(t.expected_hit)] if sweep else []) + [t.outputs, t.acceptance_hit, t.acceptance_cold]
+                [_n(t.expected_hit)] if expected else []) + [t.outputs, t.acceptance_hit, t.acceptance_cold]
             out.append("| " + " | ".join(_cell(c) for c in row) + " |")
         out += ["", "## Root divergence", "", self.field("root divergence"), "",
                 f"Diagnosis: {self.field('diagnosis')}", "",
@@ -168,13 +159,10 @@ def _acceptance(acc: Any, spec: bool | None) -> str:
 
 def _spec(run: dict) -> tuple[str | None, Any, bool | None]:
     """(method, num speculative tokens, drafter present: True/False/None unknown)."""
-    drafter = run.get("drafter") if isinstance(run.get("drafter"), dict) else {}
-    method = run.get("speculative_method") or drafter.get("method")
-    k = run.get("num_speculative_tokens")
-    k = drafter.get("num_speculative_tokens") if k is None else k
-    if method or k:
+    method, k, on = speculative(run)
+    if on:
         return method, k, True
-    return None, None, (False if _records_config(run) else None)
+    return None, None, (False if _records_config(run) or run.get("speculative_method") == "none" else None)
 
 
 def _replay_mode(run: dict) -> str:
@@ -255,12 +243,12 @@ def _acceptance_summary(reqs: dict[int, dict], spec: bool | None) -> str:
     return "mean acceptance length [" + ", ".join(vals) + "]"
 
 
-def _traces(result: CompareResult, runs: tuple[dict, dict]) -> str:
+def _traces(result: CompareResult) -> str:
     out = []
-    for name, side, run in (("hit", result.hit, runs[0]), ("cold", result.cold, runs[1])):
-        state = "partial" if side.partial else "complete"
-        out.append(f"{name} {side.path} ({state}, mode {_known(run.get('mode'))})")
-    return "; ".join(out)
+    for name, side in (("hit", result.hit), ("cold", result.cold)):
+        state = "incomplete" if side.partial else "complete"
+        out.append(f"{name} {side.path} ({state}, mode {_known(side.run.get('mode'))})")
+    return "; ".join(out + list(getattr(result, "incomplete", ())))
 
 
 def _outputs(result: CompareResult) -> str:
@@ -278,123 +266,24 @@ def _outputs(result: CompareResult) -> str:
     return "; ".join(parts)
 
 
-def record_command(run: dict, mode: str, out: str, *, split_like: str | None = None,
-                   replay_file: str | None = None) -> tuple[str, bool]:
-    """The ``statediff record`` line that reproduces a trace of ``run`` in ``mode``.
+def build_report(result: CompareResult, options: CompareOptions = CompareOptions(), *,
+                 bundle: str | None = None, bundle_lines: Sequence[str] = (),
+                 replay_file: str | None = None) -> IncidentReport:
+    """The incident record of ``result`` (no I/O: every value comes from the result's trace sides).
 
-    Uses the command line stored at recording (``record_argv``) when there
-    is one; otherwise rebuilds it from the run metadata (the second value
-    is then False: approximate). ``replay_file`` replaces the conversation
-    (and a sweep) by a replay file holding the same prompts.
+    Args:
+        result: ``compare`` of the pair; its ``hit``/``cold`` sides carry the
+            run metadata and request records.
+        options: the options that judged the pair (repeated in the reproduce commands).
+        bundle: the bundle's file name, when the record goes into one (``extract``).
+        bundle_lines: Markdown lines describing what the bundle keeps.
+        replay_file: the bundle's replay file (adds reproduce lines that use it).
+
+    Returns:
+        the record; ``exit_code`` is the comparison's.
     """
-    argv = run.get("record_argv")
-    exact = isinstance(argv, list) and all(isinstance(a, str) for a in argv)
-    conv = run.get("conversation")
-    if exact:
-        words = list(argv)
-    else:
-        words = [] if not isinstance(conv, str) or conv.startswith("builtin:") else [conv]
-        if conv is None or run.get("mode") is None:
-            words = ["CONVERSATION.jsonl"]
-        if conv == "builtin:sweep-boundaries":
-            words.append("--sweep-boundaries")
-        for key, flag in (("model", "--model"), ("dtype", "--dtype"), ("block_size", "--block-size"),
-                          ("seed", "--seed")):
-            if run.get(key) is not None:
-                words += [flag, str(run[key])]
-        if run.get("enforce_eager"):
-            words.append("--enforce-eager")
-        if run.get("replay") == "exact":
-            words.append("--exact-split" if run.get("exact_form") == "split" else "--exact")
-        elif run.get("max_num_batched_tokens") is not None:
-            words += ["--max-num-batched-tokens", str(run["max_num_batched_tokens"])]
-        if run.get("kv_cache_dtype") not in (None, "auto"):
-            words += ["--engine-arg", f"kv_cache_dtype={run['kv_cache_dtype']}"]
-        if run.get("quantization") is not None:
-            words += ["--engine-arg", f"quantization={run['quantization']}"]
-        drafter = run.get("drafter") if isinstance(run.get("drafter"), dict) else {}
-        method, k, spec = _spec(run)
-        if spec:
-            cfg = {"method": method, "model": drafter.get("model"), "num_speculative_tokens": k}
-            words += ["--speculative-config", json.dumps({a: b for a, b in cfg.items() if b is not None})]
-        f = run.get("fault")
-        if isinstance(f, dict) and f.get("spec"):
-            words += ["--fault", str(f["spec"])]
-        sampling = run.get("sampling")
-        if isinstance(sampling, dict) and sampling.get("max_tokens") is not None and (
-                conv is not None and str(conv).startswith("builtin:")):
-            words += ["--max-tokens", str(sampling["max_tokens"])]
-        if isinstance(run.get("capture"), dict) and run["capture"].get("kv") == "none":
-            words += ["--kv", "none"]
-    if replay_file is not None:
-        if words and isinstance(conv, str) and not conv.startswith("builtin:") and words[0] == conv:
-            words = words[1:]
-        elif words and words[0] == "CONVERSATION.jsonl":
-            words = words[1:]
-        kept, skip = [], 0
-        for w in words:  # the replay file carries the prompts and max_tokens
-            if skip:
-                skip -= 1
-            elif w == "--sweep-boundaries":
-                pass
-            elif w in ("--sweep-blocks", "--max-tokens"):
-                skip = 1
-            else:
-                kept.append(w)
-        words = [replay_file] + kept
-    words += ["--mode", mode]
-    if split_like is not None:
-        words += ["--split-like", split_like]
-    words += ["-o", out]
-    return shlex.join(["statediff", "record", *words]), exact
-
-
-def compare_options(tol: Sequence[str] = (), noise: str | None = None,
-                    noise_factor: float | None = None) -> list[str]:
-    """The ``compare`` options that judged the pair, as command-line words."""
-    opts: list[str] = []
-    for rule in tol:
-        opts += ["--tol", str(rule)]
-    if noise:
-        opts += ["--noise", str(noise)]
-        if noise_factor is not None:
-            opts += ["--noise-factor", f"{noise_factor:g}"]
-    return opts
-
-
-def reproduce_lines(hit_run: dict, cold_run: dict, *, tol: Sequence[str] = (), noise: str | None = None,
-                    noise_factor: float | None = None, bundle: str | None = None,
-                    replay_file: str | None = None) -> list[str]:
-    """Shell lines: record both runs, compare, extract (and compare the bundle)."""
-    opts = compare_options(tol, noise, noise_factor)
-    split = "hit.h5" if cold_run.get("exact_form") == "split" else None
-    hit_cmd, exact_h = record_command(hit_run, hit_run.get("mode") or "hit", "hit.h5")
-    cold_cmd, exact_c = record_command(cold_run, cold_run.get("mode") or "cold", "cold.h5", split_like=split)
-    lines = ["# on the engine machine (same model, engine and statediff versions):"]
-    if not (exact_h and exact_c):
-        lines.append("# (rebuilt from the run metadata: the traces do not store the record command line)")
-    lines += [hit_cmd, cold_cmd]
-    if replay_file is not None:
-        lines += [f"# or with the prompts (token ids) of every request from the bundle's {replay_file}:",
-                  record_command(hit_run, hit_run.get("mode") or "hit", "hit.h5",
-                                 replay_file=replay_file)[0],
-                  record_command(cold_run, cold_run.get("mode") or "cold", "cold.h5", split_like=split,
-                                 replay_file=replay_file)[0]]
-    lines += ["# anywhere (no engine needed):",
-              shlex.join(["statediff", "compare", "hit.h5", "cold.h5", *opts]),
-              shlex.join(["statediff", "report", "hit.h5", "cold.h5", *opts, "-o", "report.md"]),
-              shlex.join(["statediff", "extract", "hit.h5", "cold.h5", *opts, "-o", "bundle.zip"])]
-    if bundle is not None:
-        lines += ["# the attached bundle (the same root and diagnosis):",
-                  shlex.join(["statediff", "compare", bundle])]
-    return lines
-
-
-def build_report(result: CompareResult, hit_run: dict, cold_run: dict, hit_requests: dict[int, dict],
-                 cold_requests: dict[int, dict], *, tol: Sequence[str] = (), noise: str | None = None,
-                 noise_factor: float | None = None, bundle: str | None = None,
-                 bundle_lines: Sequence[str] = (), replay_file: str | None = None) -> IncidentReport:
-    """Assemble the record from a comparison and both traces' metadata (no I/O)."""
+    hit_run, cold_run = result.hit.run, result.cold.run
+    hit_requests, cold_requests = result.hit.requests, result.cold.requests
     run = hit_run
     method, k, spec = _spec(run)
     drafter = run.get("drafter") if isinstance(run.get("drafter"), dict) else {}
@@ -409,8 +298,8 @@ def build_report(result: CompareResult, hit_run: dict, cold_run: dict, hit_reque
         "architecture": _known(run.get("architecture")),
         "model config digest": _known(run.get("config_digest")),
         "dtype": _known(run.get("dtype")),
-        "quantization format": (str(quant) if quant is not None
-                                else "none (unquantized)" if none_if_known else UNKNOWN),
+        "quantization format": (str(quant) if quant not in (None, "none")
+                                else "none (unquantized)" if quant == "none" or none_if_known else UNKNOWN),
         "KV cache dtype": _known(run.get("kv_cache_dtype")),
         "drafter method": (str(method) if method else "none (no speculative decoding)" if spec is False
                            else UNKNOWN),
@@ -439,13 +328,17 @@ def build_report(result: CompareResult, hit_run: dict, cold_run: dict, hit_reque
         "prompt tokens per turn": _per_turn(hit_requests, "prompt_len"),
         "prefix-cache hit per turn (hit run)": _per_turn(hit_requests, "num_cached_tokens"),
         "prefix-cache hit per turn (cold run)": _per_turn(cold_requests, "num_cached_tokens"),
+        # hit accounting of the hit run (statediff.replay.hits, via compare)
+        "expected hit per turn (perfect prefix cache)": (
+            "[" + ", ".join(_n(r.expected_hit) for r in result.requests) + "]" if result.requests else UNKNOWN),
+        "hit findings": "; ".join(result.hit_findings) or "none",
         "acceptance per turn (hit run)": _acceptance_summary(hit_requests, spec),
         "acceptance per turn (cold run)": _acceptance_summary(cold_requests, _spec(cold_run)[2]),
         "outputs": _outputs(result),
         "root divergence": "none" if result.first is None else result.first.where(),
         "diagnosis": "none" if not result.diagnoses else result.diagnoses[0].text.removeprefix("diagnosis: "),
         "statediff version": _known(run.get("statediff_version")),
-        "traces": _traces(result, (hit_run, cold_run)),
+        "traces": _traces(result),
     }
     if result.first is not None and not any(
             (g.request, g.position, g.layer, g.kind) == result.first.key for g in result.diagnoses):
@@ -456,8 +349,8 @@ def build_report(result: CompareResult, hit_run: dict, cold_run: dict, hit_reque
     for row in result.requests:
         i = row.request
         h, c = hit_requests.get(i) or {}, cold_requests.get(i) or {}
-        label = exp = None
-        if sweep is not None:
+        label, exp = None, row.expected_hit
+        if sweep is not None:  # the sweep's own expectation: align-mode retention (replay/sweep.py)
             labels, hits = sweep.get("labels") or [], sweep.get("expected_hits") or []
             label = labels[i] if i < len(labels) else None
             exp = hits[i] if i < len(hits) else None
@@ -470,41 +363,10 @@ def build_report(result: CompareResult, hit_run: dict, cold_run: dict, hit_reque
     first = result.first
     title = ("statediff: state diverges after a prefix-cache hit at " + first.where() if first
              else "statediff: no state divergence between the cache-hit and cold runs")
+    if result.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
+        title += " (INCOMPLETE trace: " + "; ".join(result.incomplete) + ")"
     return IncidentReport(
         title=title, fields=[(k, fields[k]) for k in FIELD_LABELS], turns=turns,
         compare_text=result.to_text(),
-        reproduce=reproduce_lines(hit_run, cold_run, tol=tol, noise=noise, noise_factor=noise_factor,
-                                  bundle=bundle, replay_file=replay_file),
+        reproduce=reproduce_lines(hit_run, cold_run, options, bundle=bundle, replay_file=replay_file),
         bundle=list(bundle_lines), exit_code=result.exit_code)
-
-
-def incident_report(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str] = (),
-                    noise: PathLike | None = None, noise_factor: float | None = None,
-                    allow_engine_mismatch: bool = False, allow_noise_in_exact: bool = False,
-                    result: CompareResult | None = None) -> IncidentReport:
-    """Compare ``hit_path`` against ``cold_path`` and write up the incident record.
-
-    Args:
-        hit_path, cold_path: the traces (as for ``compare``).
-        tol, noise, noise_factor, allow_engine_mismatch, allow_noise_in_exact:
-            passed to ``compare`` and repeated in the reproduce commands.
-        result: an existing comparison of the same traces (skips comparing again).
-
-    Returns:
-        the report; ``exit_code`` is the comparison's (0 same, 1 divergence).
-
-    Raises:
-        TraceError, MismatchError, StatediffError: as ``compare``.
-    """
-    from statediff.diff.compare import compare
-    from statediff.diff.noise import DEFAULT_FACTOR
-
-    if result is None:
-        result = compare(hit_path, cold_path, tol=tol, noise=noise,
-                         noise_factor=DEFAULT_FACTOR if noise_factor is None else noise_factor,
-                         allow_engine_mismatch=allow_engine_mismatch,
-                         allow_noise_in_exact=allow_noise_in_exact)
-    with open_trace(hit_path) as hit, open_trace(cold_path) as cold:
-        return build_report(result, dict(hit.run), dict(cold.run), dict(hit.requests), dict(cold.requests),
-                            tol=[str(t) for t in tol], noise=None if noise is None else str(noise),
-                            noise_factor=noise_factor)

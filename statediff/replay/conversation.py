@@ -9,7 +9,8 @@ or OpenAI-style chat, rendered with the model's chat template::
     {"messages": [{"role": "user", "content": "hi"}], "tools": [...], "max_tokens": 16}
 
 Optional keys: ``id`` (a label), ``max_tokens`` (default 16),
-``temperature`` (default 0: greedy), ``top_p``, ``top_k``, ``seed``.
+``temperature`` (default 0: greedy), ``top_p``, ``top_k``, ``seed``; values
+vLLM would refuse are refused here, with the line number (``sampling_problem``).
 Requests are replayed in file order on a fresh engine, one at a time, so a
 later request can hit the prefix cache filled by the earlier ones.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,36 @@ def _fail(path: Path, line: int, msg: str) -> StatediffError:
     return StatediffError(f"{path}:{line}: {msg}")
 
 
+def sampling_problem(sampling: dict[str, Any]) -> str | None:
+    """What vLLM would refuse in a request's sampling fields, as one sentence; None if nothing.
+
+    Mirrors ``SamplingParams._verify_args`` of vLLM 0.32 (``vllm/sampling_params.py``)
+    so that a bad line is refused with its line number before an engine starts,
+    not after it: ``max_tokens`` a whole number >= 1, ``temperature`` finite in
+    [0, 2] (0 is greedy), ``top_p`` in (0, 1], ``top_k`` a whole number >= -1
+    (-1 and 0 turn it off), ``seed`` a whole number.
+    """
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    mt = sampling.get("max_tokens")
+    if mt is not None and (not whole(mt) or mt < 1):
+        return f"'max_tokens' must be a whole number of at least 1, not {mt!r}"
+    t = sampling.get("temperature")
+    if t is not None and not (math.isfinite(t) and 0 <= t <= 2):
+        return f"'temperature' must be in [0, 2] (0 is greedy), not {t!r}"
+    p = sampling.get("top_p")
+    if p is not None and not (math.isfinite(p) and 0 < p <= 1):
+        return f"'top_p' must be in (0, 1], not {p!r}"
+    k = sampling.get("top_k")
+    if k is not None and (not whole(k) or k < -1):
+        return f"'top_k' must be a whole number, -1 or 0 (off) or at least 1, not {k!r}"
+    seed = sampling.get("seed")
+    if seed is not None and not whole(seed):
+        return f"'seed' must be a whole number, not {seed!r}"
+    return None
+
+
 def parse_turn(obj: Any, path: Path, line: int) -> Turn:
     """Validate one decoded JSONL line.
 
@@ -70,8 +102,9 @@ def parse_turn(obj: Any, path: Path, line: int) -> Turn:
             if not isinstance(val, (int, float)) or isinstance(val, bool):
                 raise _fail(path, line, f"'{key}' must be a number")
             sampling[key] = val
-    if sampling["max_tokens"] < 1:
-        raise _fail(path, line, "'max_tokens' must be at least 1")
+    problem = sampling_problem(sampling)
+    if problem:
+        raise _fail(path, line, problem)
     turn = Turn(line=line, id=str(obj.get("id", f"turn-{line}")), sampling=sampling)
     if has_ids:
         ids = obj["prompt_token_ids"]

@@ -1,41 +1,12 @@
-"""Boundary sweeps: a replay whose prompt lengths straddle prefix-cache block boundaries.
+"""Boundary sweeps: a generated replay whose prompt lengths straddle prefix-cache block boundaries.
 
-Restore bugs in hybrid models often hide at particular prompt lengths
-relative to the engine's block size ``B`` (the field notes): a prompt one
-token short of a boundary, exactly on it, one token past it, exactly
-``1 + K`` tokens past it (``K`` speculative tokens: a prefill the size of a
-verification step), or a resume after a previous prefill that ended a few
-tokens past a boundary. ``boundary_sweep`` generates one request per such
-length.
-
-Every prompt is a prefix of one base sequence ``S`` (deterministic tokens
-from the model's vocabulary, special ids below ``FIRST_TOKEN`` excluded).
-The order makes each request resume from a boundary an earlier one left in
-the cache. vLLM (0.32, mamba cache mode ``align``) keeps, for a finished
-prompt of ``L`` tokens, the recurrent state at its *replay boundary*
-``floor((L - 1) / B) * B`` (a resend of the same prompt must compute its
-last token), not at every boundary it crossed (measured at B = 32, with
-either chunking: after prompts of 100 and 50 tokens, a 70-token prompt of
-the same sequence resumes at 32, and the 50-token one hit nothing); a
-prompt of exactly ``n*B`` tokens leaves the state at ``(n-1)*B``. A later
-request of ``L'`` tokens resumes at the largest kept boundary at or below
-``floor((L' - 1) / B) * B`` (``expected_hits``). The order, after a first
-request of ``B + few`` tokens, for ``n = 2 .. blocks + 1``:
-
-    request         n*B-1     n*B       n*B+few   n*B+1   n*B+K+1 (K > 0)
-    expected hit    (n-1)*B   (n-1)*B   (n-1)*B   n*B     n*B
-    leaves state    (n-1)*B   (n-1)*B   n*B       n*B     n*B
-
-so every request after the first hits, ``n*B+1`` is a one-token prefill
-after a hit, ``n*B+K+1`` a prefill of exactly ``1 + K`` tokens after one, and
-both resume after a previous prefill (``n*B+few``) that ended ``few`` tokens
-past the boundary. The expected hits do not model vLLM's EAGLE/MTP block
-drop (a drafter using target hidden states makes the engine drop the last
-matched block); the engine side reports measured hits next to them.
-
-This module draws no engine in: the engine side (``statediff_hooks.drivers.sweep``)
-supplies ``B`` (after the engine's own adjustment), ``K`` and the vocabulary
-size.
+``boundary_sweep`` makes one request per length (one short of a boundary,
+on it, past it by 1, by ``1 + K``, ...), every prompt a prefix of one base
+sequence, ordered so that each request resumes from a boundary an earlier
+one left; ``expected_hits`` says where. The order, the retention model it
+relies on and its measurement: docs/replay.md, "Boundary sweeps". No engine
+here: ``statediff_hooks.drivers.sweep`` supplies the actual block size,
+``K`` and the vocabulary size.
 """
 
 from __future__ import annotations
@@ -47,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .conversation import Turn
+from .hits import expected_hits_align, replay_boundary  # noqa: F401 - replay_boundary: public here too
 from statediff.errors import StatediffError
 
 FIRST_TOKEN = 3  # ids 0..2 are bos/eos/pad in most vocabularies: never drawn
@@ -129,7 +101,7 @@ def _label(n: int, offset: int, k: int) -> str:
 
 def sweep_lengths(block_size: int, *, num_speculative_tokens: int = 0, blocks: int = 2,
                   few: int = DEFAULT_FEW) -> list[tuple[str, int]]:
-    """Labels and prompt lengths of a sweep, in replay order (module docstring).
+    """Labels and prompt lengths of a sweep, in replay order (docs/replay.md, "Boundary sweeps").
 
     ``few`` is raised by one when it equals ``K + 1``, so that the ``1 + K``
     prefill stays a request of its own that resumes at ``n*B``.
@@ -160,24 +132,16 @@ def sweep_lengths(block_size: int, *, num_speculative_tokens: int = 0, blocks: i
     return out
 
 
-def replay_boundary(length: int, block_size: int) -> int:
-    """Boundary whose state vLLM keeps for a finished prompt of ``length`` tokens."""
-    return (length - 1) // block_size * block_size
-
-
 def expected_hits(lengths: list[int], block_size: int) -> list[int]:
     """Prefix-cache hit of each request when every prompt is a prefix of one sequence.
 
     ``hit_i`` = the largest ``replay_boundary(L_j)`` of an earlier request
     ``j`` that is at most ``replay_boundary(L_i)`` (0 if none): the module
-    docstring's retention model. The first request hits nothing.
+    retention model (docs/replay.md), i.e. the align-mode hit of the run's hit
+    accounting (``statediff.replay.hits``) for prompts that are prefixes of
+    one sequence. The first request hits nothing.
     """
-    out = []
-    for i, n in enumerate(lengths):
-        cap = replay_boundary(n, block_size)
-        out.append(max((b for b in (replay_boundary(m, block_size) for m in lengths[:i]) if b <= cap),
-                       default=0))
-    return out
+    return expected_hits_align(lengths, block_size)
 
 
 def base_sequence(length: int, vocab_size: int, *, seed: int = 0,
@@ -199,7 +163,7 @@ def base_sequence(length: int, vocab_size: int, *, seed: int = 0,
 def boundary_sweep(block_size: int, vocab_size: int, *, num_speculative_tokens: int = 0,
                    blocks: int = 2, few: int = DEFAULT_FEW, max_tokens: int = 16, seed: int = 0,
                    exclude: Iterable[int] = ()) -> Sweep:
-    """Generate the replay of a boundary sweep (see the module docstring).
+    """Generate the replay of a boundary sweep (docs/replay.md, "Boundary sweeps").
 
     Args:
         block_size: the engine's actual block size ``B`` in tokens (for vLLM

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import xxhash
 
-from statediff.trace.dtypes import FLOAT_DTYPES, to_float
+from statediff.trace.dtypes import to_float
 
 CHUNK_ELEMS = 1 << 16  # decode this many elements at a time: bounded scratch, stays in cache
 

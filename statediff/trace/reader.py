@@ -1,17 +1,9 @@
-"""Trace reader: validates in a fixed order, reads tensors lazily and safely.
+"""Trace reader: validates a trace (one file, or the ``.parts`` directory of an unfinished recording) and reads its tensors.
 
-Refusals, in order (each a ``TraceError`` whose one-line message names the
-file): missing path -> not a file or parts directory -> not HDF5 ->
-unreadable HDF5 -> wrong format name -> newer (or invalid) format version
--> a segment file opened alone -> bad /run metadata -> bad /index (layout,
-size, row values) -> /tensors not matching the index -> bad request
-records. Tensor reads then check the dataset against its index row (storage
-dtype, shape, layout, filters, chunk sizes) before any data is touched,
-decode chunks with bounded memory (``storage.StoredArray``) and check the
-stored hash. Nothing is unpickled or evaluated: JSON attributes and numeric
-datasets only; external links, external storage and virtual datasets are
-refused. Any failure of h5py or the decoder on a damaged file surfaces as
-``TraceError``, never as another exception.
+Refusals come in a fixed order, each one ``TraceError`` line naming the
+file (docs/trace-format.md, "Refusals" and "Limits"); tensors are read
+lazily, with bounded memory (``storage.StoredArray``), and their stored
+hash is checked. Nothing is unpickled or evaluated.
 """
 
 from __future__ import annotations
@@ -32,23 +24,31 @@ import hdf5plugin  # noqa: F401  registers the Zstandard filter (id 32015) for o
 import numpy as np
 
 from statediff.trace.dtypes import STORAGE, storage_dtype
-from ..errors import TraceError
+from ..errors import TraceError, first_line as _short
 from .fingerprint import new_hasher
+from .schema import stop_reason
 from .schema import (
+    DIGEST_DTYPE,
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_DTYPE,
     KINDS,
     MAX_DECLARED_BYTES,
+    MAX_DIGEST_ROWS,
     MAX_INDEX_ROWS,
     MAX_JSON_BYTES,
     MAX_NDIM,
     MAX_REQUESTS,
     MAX_SEGMENTS,
     MAX_TOKENS_PER_REQUEST,
+    MIN_DIGEST_VERSION,
+    REQUEST_DATASETS,
     ROLES,
     RUN_KEYS,
+    TOKEN_DATASETS,
+    DigestEntry,
     TensorEntry,
+    request_arrays_problem,
     request_problem,
     run_problem,
 )
@@ -64,11 +64,6 @@ DATASET_RE = re.compile(r"t\d{9,}")
 REQUEST_RE = re.compile(r"r(\d{8,})")
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 _KINDS, _ROLES = frozenset(KINDS), frozenset(ROLES)
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).splitlines()[0][:200] if str(e) else ""
-    return text or type(e).__name__
 
 
 def _open_h5(path: Path) -> h5py.File:
@@ -216,26 +211,78 @@ def _decode(raw: bytes, field: str, where: str, encoding: str = "ascii") -> str:
 
 def _entry(row: np.void, where: str) -> TensorEntry:
     """A validated index row (refuses anything the format does not allow)."""
-    ndim = int(row["ndim"])
-    shape_all = [int(d) for d in row["shape"]]
     ds_name = _decode(row["dataset"], "dataset", where)
     label = f"{where}: index row for {ds_name!r}"
     if not DATASET_RE.fullmatch(ds_name):
         raise TraceError(f"{label}: dataset name is not t<digits>")
+    fields = _row_fields(row, label, where)
+    h = _decode(row["hash"], "hash", where)
+    if not HASH_RE.fullmatch(h):
+        raise TraceError(f"{label}: hash is not 32 hex digits")
+    return TensorEntry(
+        **fields, dataset=ds_name, hash=h, sum=float(row["sum"]), sumsq=float(row["sumsq"]),
+        min=float(row["min"]), max=float(row["max"]), n_nan=int(row["n_nan"]),
+        n_inf=int(row["n_inf"]),
+    )
+
+
+def _read_digests(f: h5py.File, path: Path, version: int) -> list[DigestEntry]:
+    """The optional ``/digests`` table, validated row by row ([] when absent).
+
+    Refused like ``/index``: not a plain 1-D dataset of exactly
+    ``DIGEST_DTYPE``, over ``MAX_DIGEST_ROWS`` rows, present in a file that
+    declares a format version older than ``MIN_DIGEST_VERSION``, or any row
+    with an unknown kind, role or dtype, text that does not decode, a bad
+    shape, positions out of order, or a digest that is not 32 lowercase hex
+    digits.
+    """
+    ds = _hard_child(f, "digests", str(path))
+    if ds is None:
+        return []
+    if not isinstance(ds, h5py.Dataset):
+        raise TraceError(f"{path}: /digests is not a dataset")
+    if version < MIN_DIGEST_VERSION:
+        raise TraceError(f"{path}: /digests in a version {version} trace "
+                         f"(digests need format version {MIN_DIGEST_VERSION})")
+    try:
+        shape = tuple(ds.shape) if ds.shape is not None else None
+    except Exception as e:
+        raise TraceError(f"{path}: /digests is unreadable: {_short(e)}") from None
+    if shape is None or len(shape) != 1 or shape[0] > MAX_DIGEST_ROWS:
+        raise TraceError(f"{path}: /digests has an absurd shape {shape} (at most {MAX_DIGEST_ROWS} rows)")
+    if ds.dtype != DIGEST_DTYPE:
+        raise TraceError(f"{path}: /digests has an unexpected record layout")
+    rows = StoredArray(ds, DIGEST_DTYPE, shape, f"{path}: /digests", _file_size(f, path)).read()
+    return [_digest_entry(row, n, str(path)) for n, row in enumerate(rows)]
+
+
+def _digest_entry(row: np.void, n: int, where: str) -> DigestEntry:
+    """A validated ``/digests`` row (same rules as an index row, plus the digest text)."""
+    label = f"{where}: /digests row {n}"
+    fields = _row_fields(row, label, label)
+    digest = _decode(row["digest"], "digest", label)
+    if not HASH_RE.fullmatch(digest):
+        raise TraceError(f"{label}: digest is not 32 lowercase hex digits")
+    return DigestEntry(**fields, digest=digest)
+
+
+def _row_fields(row: np.void, label: str, where: str) -> dict:
+    """The fields an index row and a digest row share, validated (``where`` names the file in
+    decoding errors): request, position, token_start >= 0 in order; known kind, role, dtype; a shape
+    of at most ``MAX_NDIM`` dims declaring at most ``MAX_DECLARED_BYTES``."""
+    ndim = int(row["ndim"])
+    shape_all = [int(d) for d in row["shape"]]
     if not 0 <= ndim <= MAX_NDIM or any(d < 0 for d in shape_all[:ndim]) or any(shape_all[ndim:]):
         raise TraceError(f"{label}: invalid shape (ndim {ndim}, dims {shape_all})")
     kind = _decode(row["kind"], "kind", where)
     role = _decode(row["role"], "role", where)
     dtype = _decode(row["dtype"], "dtype", where)
-    h = _decode(row["hash"], "hash", where)
     if kind not in _KINDS:
         raise TraceError(f"{label}: unknown kind {kind!r}")
     if role not in _ROLES:
         raise TraceError(f"{label}: unknown role {role!r}")
     if dtype not in STORAGE:
         raise TraceError(f"{label}: unknown dtype {dtype!r}")
-    if not HASH_RE.fullmatch(h):
-        raise TraceError(f"{label}: hash is not 32 hex digits")
     request, position, token_start = int(row["request"]), int(row["position"]), int(row["token_start"])
     if request < 0 or position < 0 or not 0 <= token_start <= position:
         raise TraceError(
@@ -243,14 +290,9 @@ def _entry(row: np.void, where: str) -> TensorEntry:
     nbytes = math.prod(shape_all[:ndim]) * STORAGE[dtype].itemsize
     if nbytes > MAX_DECLARED_BYTES:
         raise TraceError(f"{label}: declares {nbytes} bytes (limit {MAX_DECLARED_BYTES})")
-    return TensorEntry(
-        request=request, position=position, layer=int(row["layer"]), kind=kind, role=role,
-        module=_decode(row["module"], "module", where, "utf-8"), token_start=token_start,
-        step=int(row["step"]), block=int(row["block"]), dataset=ds_name, dtype=dtype,
-        shape=tuple(shape_all[:ndim]), hash=h, sum=float(row["sum"]), sumsq=float(row["sumsq"]),
-        min=float(row["min"]), max=float(row["max"]), n_nan=int(row["n_nan"]),
-        n_inf=int(row["n_inf"]),
-    )
+    return dict(request=request, position=position, token_start=token_start, layer=int(row["layer"]),
+                kind=kind, role=role, module=_decode(row["module"], "module", where, "utf-8"),
+                step=int(row["step"]), block=int(row["block"]), dtype=dtype, shape=tuple(shape_all[:ndim]))
 
 
 def _tensor_names(f: h5py.File, path: Path) -> set[str]:
@@ -306,25 +348,60 @@ def _read_requests(f: h5py.File, path: Path) -> dict[int, dict]:
             raise TraceError(f"{where}: {problem}")
         if rec["index"] != int(m.group(1)):
             raise TraceError(f"{where}: holds request index {rec['index']}")
-        for key in ("prompt_token_ids", "output_token_ids"):
-            ds = _hard_child(rg, key, where)
-            if ds is None:
-                rec[key] = []
-                continue
-            try:
-                shape = tuple(ds.shape) if isinstance(ds, h5py.Dataset) else None
-            except Exception as e:
-                raise TraceError(f"{where}/{key} is unreadable: {_short(e)}") from None
-            if shape is None or len(shape) != 1 or shape[0] > MAX_TOKENS_PER_REQUEST:
-                raise TraceError(f"{where}/{key} is not a 1-D token dataset of sane size")
-            arr = StoredArray(ds, np.dtype("<i8"), shape, f"{where}/{key}", size).read()
-            rec[key] = arr.tolist()
+        _read_request_arrays(rg, rec, where, size)
         plen = rec.get("prompt_len")
         if plen is not None and plen != len(rec["prompt_token_ids"]):
             raise TraceError(
                 f"{where}: prompt_len {plen} but {len(rec['prompt_token_ids'])} prompt token ids")
         out[rec["index"]] = rec
     return out
+
+
+def _read_request_arrays(rg: h5py.Group, rec: dict, where: str, size: int) -> None:
+    """Read a request group's datasets (``schema.REQUEST_DATASETS``) into ``rec``.
+
+    Token ids (1-D ``<i8``; missing: empty) become lists of int;
+    ``output_logprobs`` (1-D ``<f4``) a list of float; ``output_topk_ids``
+    (2-D ``<i8``) and ``output_topk_logprobs`` (2-D ``<f4``) lists of rows.
+    A missing logprob dataset reads as None, except that a JSON
+    ``output_logprobs`` list (traces written before it was a dataset) is
+    kept. Every dataset is checked (type exactly, number of dimensions,
+    size, layout, filters, chunks) and the shapes against each other
+    (``schema.request_arrays_problem``) before any data is read.
+
+    Raises:
+        TraceError: any check fails.
+    """
+    found: dict[str, tuple[h5py.Dataset, tuple[int, ...]]] = {}
+    for key, (dtype, ndim) in REQUEST_DATASETS.items():
+        ds = _hard_child(rg, key, where)
+        if ds is None:
+            continue
+        try:
+            shape = tuple(ds.shape) if isinstance(ds, h5py.Dataset) else None
+        except Exception as e:
+            raise TraceError(f"{where}/{key} is unreadable: {_short(e)}") from None
+        if shape is None or len(shape) != ndim or math.prod(shape) > MAX_TOKENS_PER_REQUEST:
+            what = "token dataset" if key in TOKEN_DATASETS else "dataset"
+            raise TraceError(f"{where}/{key} is not a {ndim}-D {what} of sane size")
+        found[key] = (ds, shape)
+    legacy = rec.get("output_logprobs")
+    if "output_logprobs" not in found and legacy is not None:
+        if not isinstance(legacy, list) or not all(
+                v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in legacy):
+            raise TraceError(f"{where}: 'output_logprobs' is not a list of numbers")
+    problem = request_arrays_problem({k: shape for k, (_, shape) in found.items()})
+    if problem:
+        raise TraceError(f"{where}: {problem}")
+    for key, (dtype, _) in REQUEST_DATASETS.items():
+        if key not in found:
+            if key in TOKEN_DATASETS:
+                rec[key] = []
+            elif key != "output_logprobs" or legacy is None:
+                rec[key] = None
+            continue
+        ds, shape = found[key]
+        rec[key] = StoredArray(ds, np.dtype(dtype), shape, f"{where}/{key}", size).read().tolist()
 
 
 def read_parts_requests(segs: list[Path]) -> dict[int, dict]:
@@ -363,7 +440,8 @@ class Trace:
     Attributes:
         path: what was opened.
         partial: True when read from an unfinished recording (``<trace>.parts``)
-            or from a file recovered from one (root attribute complete=False).
+            or from a file recovered from one (root attribute complete=False),
+            or when the replay stopped early (run field ``stopped``): incomplete.
         partial_reason: one line saying why the trace is partial, "" if complete.
         damage: for a parts directory, why its valid prefix ends before its
             last segment file ("" if every segment is whole).
@@ -372,6 +450,8 @@ class Trace:
         run: run metadata dict (every key of ``schema.RUN_KEYS``; unknown ones null).
         requests: {request index: record dict with prompt/output token ids}.
         entries: every recorded tensor, in causal order.
+        digests: every digest-only tensor (``/digests``, format version 2), in
+            causal order; [] when the trace has none.
 
     Raises:
         TraceError: on any refusal listed in the module docstring.
@@ -405,6 +485,7 @@ class Trace:
             self.close()
             raise TraceError(f"{p} is damaged: {_short(e)}") from None
         self.entries.sort(key=lambda e: e.causal_order)
+        self.digests.sort(key=lambda d: d.causal_order)
 
     # -- opening ---------------------------------------------------------------
 
@@ -418,15 +499,16 @@ class Trace:
             raise TraceError(f"{p}: missing /run group")
         self.run = _check_run(_json_attr(rg, "json", f"{p}: /run"), f"{p}: /run")
         complete = _attr(f, "complete", str(p), "biu")
-        self.partial = not bool(complete)
+        self.partial = not bool(complete) or stop_reason(self.run) is not None
         if self.partial:
-            self.partial_reason = "the recording did not finish (recovered from its parts)"
+            self.partial_reason = stop_reason(self.run) or "the recording did not finish (recovered from its parts)"
         self.entries = self._entries(f, p)
+        self.digests = _read_digests(f, p, self.format_version)
         self.requests = _read_requests(f, p)
 
     def _open_parts(self, d: Path) -> None:
         self.partial = True
-        self.format_version = FORMAT_VERSION
+        self.format_version = 1  # the newest version among the valid segments (none: 1)
         run_json = d / "run.json"
         try:
             st = run_json.stat()
@@ -440,15 +522,16 @@ class Trace:
         except UnicodeDecodeError:
             raise TraceError(f"{run_json} is not UTF-8 text") from None
         self.run = _check_run(parse_json_object(text, str(run_json)), str(run_json))
-        self.requests, self.entries = {}, []
+        self.requests, self.entries, self.digests = {}, [], []
         segs = list_segments(d)
         for seg in segs:
             try:
                 f = self._file(seg)
-                _check_header(f, seg)
+                version = _check_header(f, seg)
                 if not _attr(f, "segment", str(seg), "biu"):
                     raise TraceError(f"{seg} is not marked as a segment")
                 entries = self._entries(f, seg)
+                digests = _read_digests(f, seg, version)
                 requests = _read_requests(f, seg)
             except Exception as e:  # TraceError, or anything h5py raises on a damaged file
                 # keep the valid prefix: a step is in the trace only if its segment is whole
@@ -461,12 +544,16 @@ class Trace:
                 self.partial_reason = (
                     f"the recording did not finish; read up to step {self.segments} ({self.damage})")
                 return
+            self.format_version = max(self.format_version, version)
             self.entries.extend(entries)
+            self.digests.extend(digests)
             self.requests.update(requests)
             self.segments += 1
         self.partial_reason = (
             f"the recording did not finish; read up to its last completed step "
             f"({self.segments} steps)")
+        if stop_reason(self.run):  # the replay stopped early and its close did not finish either
+            self.partial_reason = f"{stop_reason(self.run)}; {self.partial_reason}"
 
     def _entries(self, f: h5py.File, src: Path) -> list[TensorEntry]:
         rows = _read_index(f, src)

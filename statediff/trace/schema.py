@@ -1,4 +1,4 @@
-"""Trace format v1: names, record layout and limits. No I/O here.
+"""Trace format (version 2): names, record layout and limits. No I/O here.
 
 The normative description is ``docs/trace-format.md``; this module is its
 executable form. Everything in a trace is plain data: fixed-size numeric
@@ -15,7 +15,18 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "statediff.trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version read and written; 2 added the optional /digests table
+MIN_DIGEST_VERSION = 2  # /digests is refused in files declaring an older version
+
+
+def version_for(has_digests: bool) -> int:
+    """The lowest format version that expresses a file (docs/trace-format.md, Versioning).
+
+    A file without ``/digests`` is written as version 1, so readers that
+    predate version 2 still read it; a file with ``/digests`` as version 2
+    (a version-1 reader ignoring the table could call differing traces identical).
+    """
+    return MIN_DIGEST_VERSION if has_digests else 1
 
 # Tensor kinds, in causal order within one (request, position, layer).
 KINDS = (
@@ -46,8 +57,10 @@ ZSTD_FILTER_ID = 32015  # registered HDF5 filter id for Zstandard (hdf5plugin)
 # allocation it guards.
 MAX_JSON_BYTES = 16 * 1024 * 1024  # one JSON attribute
 MAX_INDEX_ROWS = 1 << 22  # rows of /index (~1.5 GB at 361 bytes a row)
+MAX_DIGEST_ROWS = 1 << 22  # rows of /digests (~1.2 GB at 281 bytes a row)
 MAX_REQUESTS = 1_000_000
-MAX_TOKENS_PER_REQUEST = 16_000_000
+MAX_TOKENS_PER_REQUEST = 16_000_000  # elements of one per-request dataset (token ids, logprobs)
+MAX_LOGPROBS_K = 64  # alternatives per output token in output_topk_* (the second axis)
 MAX_CHUNK_BYTES = 64 * 1024 * 1024  # decoded size of one chunk (the writer uses ~1 MiB)
 MAX_CHUNKS = 1 << 16  # chunks of one dataset
 MAX_UNCHUNKED_BYTES = 256 * 1024 * 1024  # an unchunked dataset (also bounded by the file size)
@@ -81,13 +94,52 @@ INDEX_DTYPE = np.dtype(
 )
 
 
+# One row of /digests per tensor recorded as a digest only (no dataset). Fixed-size fields only.
+DIGEST_DTYPE = np.dtype(
+    [
+        ("request", "<i4"),
+        ("position", "<i8"),  # absolute tokens covered: [token_start, position)
+        ("token_start", "<i8"),
+        ("layer", "<i4"),
+        ("kind", "S24"),
+        ("role", "S16"),
+        ("module", "S96"),
+        ("step", "<i4"),
+        ("block", "<i4"),  # engine (physical) block id it was read from, -1 if none
+        ("dtype", "S16"),  # logical dtype
+        ("ndim", "<i1"),
+        ("shape", "<i8", (MAX_NDIM,)),
+        ("digest", "S32"),  # statediff.trace.digest of the storage bytes, 32 lowercase hex digits
+    ]
+)
+
+
 def _utf8_prefix(text: str, n: int) -> bytes:
     """At most ``n`` bytes of UTF-8, never cutting a character in half."""
     return text.encode("utf-8")[:n].decode("utf-8", "ignore").encode("utf-8")
 
 
+class _Keyed:
+    """Alignment key and causal order, shared by index rows and digest rows."""
+
+    request: int
+    position: int
+    layer: int
+    kind: str
+
+    @property
+    def key(self) -> tuple[int, int, int, str]:
+        """Alignment key: (request, absolute token position, layer, kind)."""
+        return (self.request, self.position, self.layer, self.kind)
+
+    @property
+    def causal_order(self) -> tuple[int, int, int, int]:
+        """Sort key: request, then position, then layer, then kind."""
+        return (self.request, self.position, self.layer, KIND_RANK.get(self.kind, 99))
+
+
 @dataclasses.dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(_Keyed):
     """One recorded tensor as listed in the trace index.
 
     ``position`` is the number of tokens of the request the tensor
@@ -115,16 +167,6 @@ class TensorEntry:
     max: float
     n_nan: int
     n_inf: int
-
-    @property
-    def key(self) -> tuple[int, int, int, str]:
-        """Alignment key: (request, absolute token position, layer, kind)."""
-        return (self.request, self.position, self.layer, self.kind)
-
-    @property
-    def causal_order(self) -> tuple[int, int, int, int]:
-        """Sort key: request, then position, then layer, then kind."""
-        return (self.request, self.position, self.layer, KIND_RANK.get(self.kind, 99))
 
     @property
     def numel(self) -> int:
@@ -178,6 +220,45 @@ class TensorEntry:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
 
 
+@dataclasses.dataclass(frozen=True)
+class DigestEntry(_Keyed):
+    """One tensor recorded as a digest only (a row of ``/digests``; no dataset).
+
+    Same meaning as the ``TensorEntry`` fields of the same name; ``digest``
+    is ``statediff.trace.digest.digest_array`` of the tensor's storage bytes
+    (32 lowercase hex digits). Two tensors with equal dtype, shape and digest
+    are treated as bit-identical.
+    """
+
+    request: int
+    position: int
+    token_start: int
+    layer: int
+    kind: str
+    role: str
+    module: str
+    step: int
+    block: int
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+
+    def label(self) -> str:
+        return (f"request {self.request} position {self.position} "
+                f"layer {self.layer} ({self.module}) {self.kind} (digest)")
+
+    def to_row(self) -> tuple:
+        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
+        return (
+            self.request, self.position, self.token_start, self.layer, self.kind.encode(),
+            self.role.encode(), _utf8_prefix(self.module, 96), self.step, self.block,
+            self.dtype.encode(), len(self.shape), shape, self.digest.encode(),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
 # Run metadata keys. Unknown values are stored as null, never omitted, so
 # reports can say "unknown" (docs/trace-format.md lists their meaning).
 RUN_KEYS = (
@@ -207,6 +288,9 @@ RUN_KEYS = (
     "capture",  # what was captured: {"kv": ..., "activations": bool}
     "statediff_version",
     "created_unix",
+    "effective",  # what the started engine really ran with (object; docs/trace-format.md)
+    "logprobs_k",  # top-k alternatives recorded per output token, or null (per request)
+    "stopped",  # null, or {"request": int, "error": str, ...}: the replay stopped early (incomplete)
 )
 
 # Keys that must agree for two traces to be comparable.
@@ -223,7 +307,7 @@ def _is_int(v: Any) -> bool:
 
 
 RUN_INT_KEYS = ("block_size", "mamba_block_size", "max_num_batched_tokens",
-                "num_speculative_tokens", "seed")
+                "num_speculative_tokens", "seed", "logprobs_k")
 RUN_STR_KEYS = ("engine", "engine_version", "engine_commit", "runner", "model", "architecture",
                 "config_digest", "dtype", "quantization", "mamba_cache_mode", "cold_policy",
                 "speculative_method", "statediff_version")
@@ -256,6 +340,77 @@ def run_problem(run: dict) -> str | None:
     v = run.get("created_unix")
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
         return f"run field 'created_unix' is {v!r}, not a number or null"
+    v = run.get("effective")
+    if v is not None and not isinstance(v, dict):
+        return "run field 'effective' is not an object or null"
+    v = run.get("logprobs_k")
+    if v is not None and not 0 <= v <= MAX_LOGPROBS_K:
+        return f"run field 'logprobs_k' is {v!r}, not in 0..{MAX_LOGPROBS_K} or null"
+    v = run.get("stopped")
+    if v is not None and not (isinstance(v, dict) and (v.get("request") is None or (
+            _is_int(v["request"]) and v["request"] >= 0)) and isinstance(v.get("error"), (str, type(None)))):
+        return "run field 'stopped' is not an object {request: int >= 0 or null, error: str or null} or null"
+    return None
+
+
+def stop_reason(run: dict) -> str | None:
+    """One line saying where and why a replay stopped early (run field ``stopped``), or None."""
+    v = run.get("stopped")
+    if not isinstance(v, dict):
+        return None
+    total = run.get("num_requests")
+    at = "" if v.get("request") is None else f" at request {v['request']}" + (
+        f" of {total}" if _is_int(total) else "")
+    return f"the replay stopped early{at}: {v.get('error') or 'unknown error'}"
+
+
+# Datasets of a request group: name -> (storage dtype, number of dimensions).
+# A missing token dataset reads as empty; missing logprob datasets as null
+# (not recorded). The writer routes these keys of a request record to
+# datasets, never to its JSON attribute.
+REQUEST_DATASETS: dict[str, tuple[str, int]] = {
+    "prompt_token_ids": ("<i8", 1),
+    "output_token_ids": ("<i8", 1),
+    "output_logprobs": ("<f4", 1),  # logprob of each sampled token [n_out]
+    "output_topk_ids": ("<i8", 2),  # top-k alternatives per output token [n_out, k], best first
+    "output_topk_logprobs": ("<f4", 2),  # their logprobs [n_out, k]
+}
+TOKEN_DATASETS = ("prompt_token_ids", "output_token_ids")
+LOGPROB_DATASETS = ("output_logprobs", "output_topk_ids", "output_topk_logprobs")
+
+
+def request_arrays_problem(shapes: dict[str, tuple[int, ...] | None]) -> str | None:
+    """Why the shapes of a request's datasets disagree with each other, or None.
+
+    ``shapes`` maps a name of ``REQUEST_DATASETS`` to its shape, or to None
+    (absent); a name missing from ``shapes`` is absent. Rules: each has its
+    documented number of dimensions and at most ``MAX_TOKENS_PER_REQUEST``
+    elements; ``output_logprobs`` has one value per output token;
+    ``output_topk_ids`` and ``output_topk_logprobs`` come together, with
+    ``output_logprobs``, and have the same shape ``[n_out, k]`` with
+    ``0 <= k <= MAX_LOGPROBS_K``.
+    """
+    for name, shape in shapes.items():
+        if shape is None:
+            continue
+        ndim = REQUEST_DATASETS[name][1]
+        size = 1
+        for d in shape:
+            size *= d
+        if len(shape) != ndim or size > MAX_TOKENS_PER_REQUEST:
+            return f"{name} is not a {ndim}-D dataset of at most {MAX_TOKENS_PER_REQUEST} elements"
+    n_out = (shapes.get("output_token_ids") or (0,))[0]
+    lp, ids, lps = (shapes.get(k) for k in LOGPROB_DATASETS)
+    if lp is not None and lp != (n_out,):
+        return f"output_logprobs has {lp[0]} values for {n_out} output tokens"
+    if (ids is None) != (lps is None) or (ids is not None and lp is None):
+        return "output_topk_ids and output_topk_logprobs must come together, with output_logprobs"
+    if ids is not None:
+        if ids != lps:
+            return f"output_topk_ids has shape {ids} but output_topk_logprobs {lps}"
+        if ids[0] != n_out or ids[1] > MAX_LOGPROBS_K:
+            return (f"output_topk_ids has shape {ids}, not [{n_out} output tokens, k <= "
+                    f"{MAX_LOGPROBS_K}]")
     return None
 
 

@@ -1,21 +1,9 @@
-"""How arrays are laid out as HDF5 datasets in a trace, written and read back.
+"""How a tensor is stored as an HDF5 dataset: Zstandard-framed chunks on write, checked direct-chunk reads back.
 
-Both sides of the format meet here:
-
-- the writer splits an array into chunks of about ``WRITE_CHUNK_BYTES``
-  along its leading axes, compresses each chunk into one Zstandard frame
-  (in a thread pool) and stores it with ``write_direct_chunk`` into a
-  dataset whose filter pipeline is the registered Zstandard filter (id
-  32015), so that any HDF5 tool with ``hdf5plugin`` reads it;
-- the reader never lets HDF5 run a decompression filter. It checks the
-  dataset's layout, filters and every chunk's size against the limits of
-  ``schema`` and decodes each frame itself, refusing any frame whose
-  declared size is not exactly the chunk's size. The registered filter
-  allocates whatever a frame header declares (a 64 KiB chunk of a 1 KiB
-  dataset can expand to 2 GiB in it); this decoder allocates at most the
-  size the index declares, which is checked before anything is allocated.
-
-Everything raises ``TraceError`` with one line naming the dataset.
+The reader never lets HDF5 run a decompression filter: it checks layout,
+filters and chunk sizes against ``schema``'s limits and decodes each frame
+itself, so memory stays bounded by what the index declares (why:
+docs/trace-format.md, "Limits"). Errors are ``TraceError`` lines naming the dataset.
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ import hdf5plugin
 import numpy as np
 import zstandard
 
-from ..errors import TraceError
+from ..errors import TraceError, first_line as _short
 from .fingerprint import Fingerprint
 from .schema import MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_UNCHUNKED_BYTES, ZSTD_FILTER_ID
 
@@ -172,10 +160,6 @@ def create_dataset(group: h5py.Group, name: str, shape: tuple[int, ...], dtype: 
 
 
 # -- reading -------------------------------------------------------------------
-
-
-def _short(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 class StoredArray:

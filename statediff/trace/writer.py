@@ -1,20 +1,10 @@
-"""Crash-safe trace writer: one segment file per engine step, merged on close.
+"""Crash-safe trace writer: one segment file per engine step under ``<trace>.parts/``, merged into ``<trace>`` on close.
 
-While recording, ``<trace>.parts/`` holds ``run.json`` and one complete
-HDF5 segment per step that produced data, ``seg-00000000.h5``,
-``seg-00000001.h5``, ... (each written as ``*.tmp`` and renamed, so every
-visible segment is whole). A process killed at any point leaves a readable
-partial trace: the reader serves the parts directory as a trace marked
-partial, up to the last completed step. ``close()`` merges the segments
-into the single file ``<trace>`` (compressed chunks copied as they are,
-never recompressed) and removes the parts directory; ``recover()`` does the
-same for the parts directory a killed recording left behind.
-
-Writes run on one background thread (plus a small pool that compresses
-chunks and computes fingerprints), so the engine only pays for the copy of
-each tensor to host memory. If a write fails (disk full, path gone), the
-writer stops recording, keeps what is on disk readable, and reports the
-error from ``close()``; it never raises into the engine's step.
+Writes run on a background thread, so the engine pays only for the copy of
+each tensor to host memory; a failed write stops recording, keeps what is on
+disk readable and is reported by ``close()``, never raised into the engine's
+step. ``recover`` merges what a killed recording left. Guarantees per kind of
+crash: docs/trace-format.md, "Crash safety".
 """
 
 from __future__ import annotations
@@ -39,18 +29,24 @@ from .. import __version__
 from statediff.trace.dtypes import storage_dtype
 from ..errors import TraceError
 from .schema import (
+    DIGEST_DTYPE,
     FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_DTYPE,
     KINDS,
     MAX_NDIM,
     ROLES,
     RUN_KEYS,
+    REQUEST_DATASETS,
+    DigestEntry,
     TensorEntry,
+    request_arrays_problem,
     request_problem,
     run_problem,
+    version_for,
 )
 from .storage import create_dataset, encode, write_array
+
+_HEX = frozenset("0123456789abcdef")
 
 MIN_FREE_BYTES = 64 * 1024 * 1024
 # HDF5 1.10 file format: checksummed metadata (damage is detected), compact
@@ -199,6 +195,7 @@ class TraceWriter:
         self.requests: dict[int, dict] = {}
         self._dirty: set[int] = set()
         self._pending: list[tuple[dict, np.ndarray]] = []
+        self._pending_digests: list[DigestEntry] = []
         self._seq = 0
         self._segments = 0  # written by the writer thread only
         self._bytes_raw = 0
@@ -247,43 +244,59 @@ class TraceWriter:
         """Register request ``index`` (its order in the replay; the alignment id).
 
         ``fields`` may set any documented request field (``cache_salt``,
-        ``num_cached_tokens``, ...) or extra JSON-serialisable ones.
+        ``num_cached_tokens``, ...) or extra JSON-serialisable ones; the
+        dataset keys of ``schema.REQUEST_DATASETS`` (``output_token_ids``,
+        ``output_logprobs``, ``output_topk_ids``, ``output_topk_logprobs``)
+        are stored as datasets (see ``update_request``).
 
         Raises:
-            ValueError: a documented field has the wrong type (``schema.request_problem``).
+            ValueError: a documented field has the wrong type (``schema.request_problem``),
+                or the datasets disagree in shape (``schema.request_arrays_problem``).
+            TypeError: a token or top-k id array that is not integer.
         """
-        prompt = [int(t) for t in prompt_token_ids]
+        arrays = _request_arrays(fields)
+        arrays["prompt_token_ids"] = _request_arrays({"prompt_token_ids": prompt_token_ids})[
+            "prompt_token_ids"]
         rec = {"index": index, "request_id": request_id,
-               "prompt_len": len(prompt), "num_cached_tokens": None,
-               "output_token_ids": [], "chunks": [], "finished": False,
-               "acceptance": None, "cache_salt": None}
+               "prompt_len": len(arrays["prompt_token_ids"]), "num_cached_tokens": None,
+               "chunks": [], "finished": False, "acceptance": None, "cache_salt": None}
         rec = self._checked(rec | fields)
-        rec["prompt_token_ids"] = prompt
+        _check_arrays(rec["index"], rec | arrays)
+        rec.update(arrays)
         self.requests[rec["index"]] = rec
         self._dirty.add(rec["index"])
 
     def update_request(self, index: int, **fields: Any) -> None:
         """Set fields of a registered request (output ids, hit length, chunks, acceptance).
 
+        Dataset fields (``schema.REQUEST_DATASETS``): ``prompt_token_ids`` and
+        ``output_token_ids`` (integer sequences, stored ``<i8``);
+        ``output_logprobs`` (one float per output token, ``<f4``; None
+        entries are stored as NaN), ``output_topk_ids`` (integers) and
+        ``output_topk_logprobs`` (floats), both ``[n_out, k]``; None removes
+        a logprob dataset. Give the output ids and their logprobs in the same
+        call: the record must be consistent after every call.
+
         Raises:
             KeyError: ``index`` was never registered with ``begin_request``.
-            ValueError: a documented field has the wrong type.
+            ValueError: a documented field has the wrong type, or the datasets
+                disagree in shape (``schema.request_arrays_problem``).
+            TypeError: a token or top-k id array that is not integer.
         """
         rec = self.requests[index]
-        tokens = {k: [int(t) for t in fields.pop(k)]
-                  for k in ("prompt_token_ids", "output_token_ids") if k in fields}
+        arrays = _request_arrays(fields)
         fields.pop("index", None)
         new = self._checked({"index": index} | fields)  # checks only what changes
+        if "prompt_token_ids" in arrays and "prompt_len" not in fields:
+            new["prompt_len"] = len(arrays["prompt_token_ids"])
+        _check_arrays(index, rec | new | arrays)
         rec.update(new)
-        rec.update(tokens)
-        if "prompt_token_ids" in tokens and "prompt_len" not in fields:
-            rec["prompt_len"] = len(tokens["prompt_token_ids"])
+        rec.update(arrays)
         self._dirty.add(index)
 
     @staticmethod
     def _checked(rec: dict) -> dict:
-        plain = _plain({k: v for k, v in rec.items()
-                        if k not in ("prompt_token_ids", "output_token_ids")})
+        plain = _plain({k: v for k, v in rec.items() if k not in REQUEST_DATASETS})
         problem = request_problem(plain)
         if problem:
             raise ValueError(f"request {rec.get('index')!r}: {problem}")
@@ -327,6 +340,42 @@ class TraceWriter:
         self._seq += 1
         self._pending.append((meta, array))
 
+    def add_digest(self, digest: str, *, request: int, position: int, layer: int, kind: str,
+                   role: str, module: str, dtype: str, shape: tuple[int, ...],
+                   token_start: int | None = None, step: int = -1, block: int = -1) -> None:
+        """Queue one digest-only tensor for the current step (a row of ``/digests``).
+
+        Args:
+            digest: ``statediff.trace.digest`` of the tensor's storage bytes, 32
+                lowercase hex digits (the engine computes it on its device).
+            request, position, layer, kind, role, module, token_start, step, block:
+                as for ``add`` (a K/V block covers tokens ``[token_start, position)``).
+            dtype: logical dtype name (e.g. "bfloat16").
+            shape: logical shape, at most 8 dimensions.
+
+        Raises:
+            ValueError: a programming error in the caller (bad digest text,
+                unknown kind/role/dtype, bad shape or position); never for I/O.
+        """
+        if self.error is not None or self._closed:
+            return
+        storage_dtype(dtype)  # raises on an unknown dtype
+        shape = tuple(int(d) for d in shape)
+        if not (isinstance(digest, str) and len(digest) == 32 and set(digest) <= _HEX):
+            raise ValueError(f"{kind}: digest {digest!r} is not 32 lowercase hex digits")
+        if kind not in KINDS or role not in ROLES:
+            raise ValueError(f"unknown kind {kind!r} or role {role!r} (see statediff.trace.schema)")
+        if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+            raise ValueError(f"{kind}: invalid shape {shape}")
+        start = position if token_start is None else token_start
+        if request < 0 or position < 0 or not 0 <= start <= position:
+            raise ValueError(f"{kind}: invalid request {request} / position {position} / "
+                             f"token_start {start}")
+        self._pending_digests.append(DigestEntry(
+            request=request, position=position, token_start=start, layer=layer, kind=kind,
+            role=role, module=module, step=step, block=block, dtype=dtype, shape=shape,
+            digest=digest))
+
     def end_step(self) -> None:
         """Hand the tensors and request updates of this step to the writer thread.
 
@@ -335,20 +384,21 @@ class TraceWriter:
         """
         if self.error is not None or self._closed:
             self._pending.clear()
+            self._pending_digests.clear()
             return
-        if not self._pending and not self._dirty:
+        if not self._pending and not self._pending_digests and not self._dirty:
             return
         reqs = {i: self._request_snapshot(i) for i in sorted(self._dirty)}
         self._dirty.clear()
-        item = (self._pending, reqs)
-        self._pending = []
+        item = (self._pending, self._pending_digests, reqs)
+        self._pending, self._pending_digests = [], []
         self._queue.put(item)
 
     def close(self) -> dict:
         """Flush, merge the segments into the trace file, remove the parts.
 
         Returns:
-            stats: ``{"tensors", "segments", "bytes_raw", "bytes_file"}``.
+            stats: ``{"tensors", "digests", "segments", "bytes_raw", "bytes_file"}``.
 
         Raises:
             TraceError: a write failed during recording or while merging; the
@@ -367,8 +417,9 @@ class TraceWriter:
         if self.error is not None:
             raise TraceError(f"cannot finish {self.path}: {self.error}; "
                              f"partial trace kept in {self.parts}")
+        # a replay that stopped early (run field "stopped") closes as an incomplete trace
         stats = merge_parts(self.parts, self.path, self.requests, overwrite=True,
-                            expect_segments=self._segments)
+                            complete=not self.run.get("stopped"), expect_segments=self._segments)
         shutil.rmtree(self.parts, ignore_errors=True)
         stats["bytes_raw"] = self._bytes_raw
         return stats
@@ -395,7 +446,7 @@ class TraceWriter:
 
     # -- writer thread -----------------------------------------------------
 
-    def _request_snapshot(self, index: int) -> tuple[str, list[int], list[int]]:
+    def _request_snapshot(self, index: int) -> tuple[str, dict[str, np.ndarray]]:
         return snapshot_request(self.requests[index])
 
     def _fail(self, msg: str) -> None:
@@ -410,11 +461,11 @@ class TraceWriter:
                 return
             if self.error is not None:
                 continue  # keep consuming so end_step() never blocks forever
-            tensors, reqs = item
+            tensors, digests, reqs = item
             final = self.parts / f"seg-{self._segments:08d}.h5"
             tmp = final.with_name(final.name + ".tmp")
             try:
-                self._write_segment(tmp, tensors, reqs)
+                self._write_segment(tmp, tensors, reqs, digests)
                 os.replace(tmp, final)
                 self._segments += 1
             except Exception as e:  # disk full, path removed, ...: stop, keep what is there
@@ -424,8 +475,9 @@ class TraceWriter:
                 except OSError:
                     pass
 
-    def _write_segment(self, path: Path, tensors: list, reqs: dict) -> None:
-        """Write one step as a complete segment file (tensors, index, request snapshots).
+    def _write_segment(self, path: Path, tensors: list, reqs: dict,
+                       digests: list[DigestEntry] = ()) -> None:
+        """Write one step as a complete segment file (tensors, index, digests, request snapshots).
 
         Tensors are encoded (fingerprint + compression) by the pool, up to
         ``_window`` ahead of this thread, which only does the HDF5 writes.
@@ -433,7 +485,7 @@ class TraceWriter:
         rows = []
         with h5py.File(path, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["format_version"] = version_for(bool(digests))
             f.attrs["segment"] = True
             g = f.create_group("tensors")
             jobs: collections.deque = collections.deque()
@@ -457,6 +509,7 @@ class TraceWriter:
                 rows.append(TensorEntry(**meta, **enc.fingerprint).to_row())
                 self._bytes_raw += array.nbytes
             write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), self.clevel)
+            write_digests(f, digests, self.clevel)
             write_requests(f, reqs, self.clevel)
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
@@ -477,30 +530,103 @@ def _oserror_text(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def snapshot_request(rec: dict) -> tuple[str, list[int], list[int]]:
-    """A request record frozen now: (JSON text of its fields, prompt ids, output ids).
+def _request_arrays(fields: dict) -> dict[str, Any]:
+    """Pop the dataset keys (``schema.REQUEST_DATASETS``) out of ``fields``, converted.
 
-    Taken on the caller's thread at ``end_step()``: callers may keep
-    mutating the live record (e.g. appending to ``chunks``) afterwards.
-    """
-    text = to_json({k: v for k, v in rec.items()
-                    if k not in ("prompt_token_ids", "output_token_ids")})
-    return (text, [int(t) for t in rec.get("prompt_token_ids") or []],
-            [int(t) for t in rec.get("output_token_ids") or []])
-
-
-def write_requests(f: h5py.File, reqs: dict[int, tuple[str, list[int], list[int]]],
-                   clevel: int = 3) -> None:
-    """Write request snapshots under /requests/rNNNNNNNN (token ids as int64 datasets).
+    Token ids become lists of int; logprob datasets numpy arrays of their
+    storage dtype (``<f4`` / ``<i8``), or None (absent). An empty sequence
+    given for a 2-D dataset becomes shape ``(0, 0)``.
 
     Raises:
-        ValueError: a record breaks the documented field types (a caller may
-            have edited ``TraceWriter.requests`` directly); nothing invalid is
-            ever stored.
+        TypeError: token or top-k ids that are not integers.
+        ValueError: a logprob array with the wrong number of dimensions.
+    """
+    out: dict[str, Any] = {}
+    for name in [k for k in fields if k in REQUEST_DATASETS]:
+        value = fields.pop(name)
+        dtype, ndim = REQUEST_DATASETS[name]
+        if name in ("prompt_token_ids", "output_token_ids"):
+            arr = np.asarray(value if value is not None else [])
+            if arr.size and arr.dtype.kind not in "iu":
+                raise TypeError(f"{name}: token ids of type {arr.dtype}, not integers")
+            out[name] = [int(t) for t in arr.reshape(-1)]
+            continue
+        if value is None:
+            out[name] = None
+            continue
+        if dtype == "<f4" and not isinstance(value, np.ndarray):
+            value = [np.nan if x is None else x for x in value] if ndim == 1 else [
+                [np.nan if x is None else x for x in row] for row in value]
+        arr = np.asarray(value)
+        if arr.size == 0:
+            arr = arr.reshape((0,) * ndim)
+        if dtype == "<i8" and arr.dtype.kind not in "iu":
+            raise TypeError(f"{name}: ids of type {arr.dtype}, not integers")
+        if arr.ndim != ndim:
+            raise ValueError(f"{name}: {arr.ndim}-D, expected {ndim}-D")
+        out[name] = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
+    return out
+
+
+def _array_shapes(rec: dict) -> dict[str, tuple[int, ...] | None]:
+    """Shapes of a record's datasets (None: absent), for ``schema.request_arrays_problem``."""
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for name in REQUEST_DATASETS:
+        v = rec.get(name)
+        if v is None:
+            shapes[name] = (0,) if name in ("prompt_token_ids", "output_token_ids") else None
+        else:
+            shapes[name] = tuple(v.shape) if isinstance(v, np.ndarray) else (len(v),)
+    return shapes
+
+
+def _check_arrays(index: Any, rec: dict) -> None:
+    problem = request_arrays_problem(_array_shapes(rec))
+    if problem:
+        raise ValueError(f"request {index!r}: {problem}")
+
+
+def snapshot_request(rec: dict) -> tuple[str, dict[str, np.ndarray]]:
+    """A request record frozen now: (JSON text of its fields, its datasets).
+
+    The datasets are ``{name: array}`` for the names of
+    ``schema.REQUEST_DATASETS`` the record has (token ids always, possibly
+    empty), in their storage dtypes. Taken on the caller's thread at
+    ``end_step()``: callers may keep mutating the live record (e.g.
+    appending to ``chunks``) afterwards.
+    """
+    text = to_json({k: v for k, v in rec.items() if k not in REQUEST_DATASETS})
+    arrays = {}
+    for name, (dtype, _) in REQUEST_DATASETS.items():
+        v = rec.get(name)
+        if v is None and name not in ("prompt_token_ids", "output_token_ids"):
+            continue
+        arrays[name] = np.array(v if v is not None else [], dtype=np.dtype(dtype))  # a copy
+    return text, arrays
+
+
+def write_digests(f: h5py.File, digests: list[DigestEntry], clevel: int = 3) -> None:
+    """Write ``/digests`` (one row per digest-only tensor); nothing when there are none."""
+    if digests:
+        write_array(f, "digests", np.array([d.to_row() for d in digests], dtype=DIGEST_DTYPE), clevel)
+
+
+def write_requests(f: h5py.File, reqs: dict[int, tuple[str, dict[str, np.ndarray]]],
+                   clevel: int = 3) -> None:
+    """Write request snapshots (``snapshot_request``) under /requests/rNNNNNNNN.
+
+    Each dataset of ``schema.REQUEST_DATASETS`` the snapshot has is written
+    in its storage dtype (token ids ``<i8``, logprobs ``<f4``, top-k ids ``<i8``).
+
+    Raises:
+        ValueError: a record breaks the documented field types or its
+            datasets disagree in shape (a caller may have edited
+            ``TraceWriter.requests`` directly); nothing invalid is ever stored.
     """
     g = f.require_group("requests")
-    for i, (text, prompt, output) in reqs.items():
-        problem = request_problem(json.loads(text))
+    for i, (text, arrays) in reqs.items():
+        problem = request_problem(json.loads(text)) or request_arrays_problem(
+            {k: tuple(a.shape) for k, a in arrays.items()})
         if problem:
             raise ValueError(f"request {i}: {problem}")
         name = f"r{int(i):08d}"
@@ -508,8 +634,8 @@ def write_requests(f: h5py.File, reqs: dict[int, tuple[str, list[int], list[int]
             del g[name]
         rg = g.create_group(name)
         rg.attrs["json"] = text
-        write_array(rg, "prompt_token_ids", np.asarray(prompt, dtype="<i8"), clevel)
-        write_array(rg, "output_token_ids", np.asarray(output, dtype="<i8"), clevel)
+        for key, arr in arrays.items():
+            write_array(rg, key, np.asarray(arr, dtype=np.dtype(REQUEST_DATASETS[key][0])), clevel)
 
 
 def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
@@ -533,7 +659,7 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
             valid (``close()`` knows how many it wrote; nothing is dropped silently).
 
     Returns:
-        stats: ``{"tensors", "segments", "bytes_file"}``.
+        stats: ``{"tensors", "digests", "segments", "bytes_file"}``.
 
     Raises:
         TraceError: the parts directory is unreadable or ``out`` cannot be written
@@ -558,7 +684,7 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
         rows = [e.to_row() for e in sorted(src.entries, key=lambda e: e.dataset)]
         with h5py.File(tmp, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["format_version"] = version_for(bool(src.digests))
             f.attrs["complete"] = bool(complete)
             write_json_attr(f.create_group("run"), "json", src.run)
             tg = f.create_group("tensors")
@@ -567,9 +693,11 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
                 for name in names:
                     _copy_raw(sg, tg, name)
             write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), 3)
+            write_digests(f, src.digests)
             write_requests(f, {i: snapshot_request(r) for i, r in requests.items()})
         os.replace(tmp, out)
-        return {"tensors": len(rows), "segments": src.segments, "bytes_file": out.stat().st_size}
+        return {"tensors": len(rows), "digests": len(src.digests), "segments": src.segments,
+                "bytes_file": out.stat().st_size}
     except TraceError:
         _unlink(tmp)
         raise
@@ -610,7 +738,7 @@ def recover(parts_dir: str | os.PathLike, out: str | os.PathLike, *,
         overwrite: replace an existing ``out``.
 
     Returns:
-        stats: ``{"tensors", "segments", "bytes_file"}``.
+        stats: ``{"tensors", "digests", "segments", "bytes_file"}``.
 
     Raises:
         TraceError: ``parts_dir`` is not a readable parts directory, or

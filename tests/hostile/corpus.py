@@ -2,7 +2,7 @@
 
 Each case is a function ``(dir) -> Path`` that writes one file (or parts
 directory) that a reader must refuse with ``TraceError``, and the message
-fragment the refusal must contain. ``tests/test_trace_hostile.py`` runs them
+fragment the refusal must contain. ``tests/trace/test_trace_hostile.py`` runs them
 all; ``python tests/hostile/corpus.py OUTDIR`` writes the corpus to OUTDIR
 (seeds for a fuzzer, or test input for another reader implementation).
 
@@ -26,7 +26,8 @@ import numpy as np
 import zstandard
 
 from statediff.trace import TraceWriter
-from statediff.trace.schema import INDEX_DTYPE, MAX_JSON_BYTES
+from statediff.trace.digest import digest_array
+from statediff.trace.schema import DIGEST_DTYPE, INDEX_DTYPE, MAX_JSON_BYTES
 
 # -- the valid trace everything starts from ------------------------------------
 
@@ -41,8 +42,16 @@ TENSORS = {
 }
 
 
+# digest-only K blocks (/digests rows), one per step: (block values, request, position)
+DIGESTS = [(np.full((2, 16, 5), 7, np.uint16), 0, 16), (np.full((2, 16, 5), 9, np.uint16), 1, 16)]
+
+
+# each request's 2 output tokens: their logprobs, top-2 ids and top-2 logprobs
+LOGPROBS = ([-0.5, -1.25], [[7, 3], [9, 8]], [[-0.5, -2.0], [-0.75, -1.25]])
+
+
 def write_valid(path: Path, **writer_kw) -> Path:
-    """A small complete trace: 2 requests, the 4 tensors of TENSORS in 2 steps."""
+    """A small complete trace: 2 requests, the 4 tensors of TENSORS and 2 digests in 2 steps."""
     w = TraceWriter(path, {"engine": "synthetic", "mode": "cold", "block_size": 16}, **writer_kw)
     w.begin_request(0, "req-0", list(range(40)), cache_salt="s0")
     w.begin_request(1, "req-1", list(range(10, 30)))
@@ -50,8 +59,13 @@ def write_valid(path: Path, **writer_kw) -> Path:
         w.add(arr, request=i // 2, position=pos, layer=layer, kind=kind, role=role,
               module=f"model.layers.{layer}", dtype=dtype, token_start=start, step=i // 2)
         if i % 2:
+            block, req, dpos = DIGESTS[i // 2]
+            w.add_digest(digest_array(block), request=req, position=dpos, token_start=dpos - 16,
+                         layer=1, kind="attn.k", role="resumed", module="model.layers.1",
+                         dtype="bfloat16", shape=block.shape, step=i // 2, block=3)
             w.update_request(i // 2, chunks=[[0, 16], [16, pos]], output_token_ids=[7, 8],
-                             finished=True)
+                             output_logprobs=LOGPROBS[0], output_topk_ids=LOGPROBS[1],
+                             output_topk_logprobs=LOGPROBS[2], finished=True)
             w.end_step()
     w.close()
     return path
@@ -189,9 +203,9 @@ def format_attr_int(d: Path) -> Path:
     return _edit(d, "fmtint.h5", _set_attr("/", "format", 7))
 
 
-@case("has trace format version 2; this statediff reads up to version 1 (upgrade statediff)")
+@case("has trace format version 3; this statediff reads up to version 2 (upgrade statediff)")
 def newer_format_version(d: Path) -> Path:
-    return _edit(d, "v2.h5", _set_attr("/", "format_version", 2))
+    return _edit(d, "v3.h5", _set_attr("/", "format_version", 3))
 
 
 @case("invalid trace format version 0")
@@ -430,6 +444,147 @@ def tensor_is_soft_link(d: Path) -> Path:
         del f["tensors/t000000000"]
         f["tensors"]["t000000000"] = h5py.SoftLink("/tensors/t000000001")
     return _edit(d, "softlink.h5", fn)
+
+
+# /digests (format version 2): refused like /index.
+def _digest_rows(f: h5py.File) -> np.ndarray:
+    return f["digests"][()]
+
+
+def _replace_digests(f: h5py.File, rows: np.ndarray) -> None:
+    del f["digests"]
+    f.create_dataset("digests", data=rows)
+
+
+def _edit_digest(field: str, value) -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        rows = _digest_rows(f)
+        rows[field][0] = value
+        _replace_digests(f, rows)
+    return fn
+
+
+@case("/digests in a version 1 trace (digests need format version 2)")
+def digests_in_a_version_1_file(d: Path) -> Path:
+    return _edit(d, "digv1.h5", _set_attr("/", "format_version", 1))
+
+
+@case("/digests has an unexpected record layout")
+def digests_with_index_layout(d: Path) -> Path:
+    return _edit(d, "diglayout.h5", lambda f: _replace_digests(f, _index_rows(f)[:2]))
+
+
+@case("/digests has an unexpected record layout")
+def digests_missing_field(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        names = [n for n in DIGEST_DTYPE.names if n != "digest"]
+        _replace_digests(f, _digest_rows(f)[names].astype([(n, DIGEST_DTYPE[n]) for n in names]))
+    return _edit(d, "digfield.h5", fn)
+
+
+@case("/digests has an unexpected record layout")
+def digests_big_endian_field(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        dt = np.dtype([(n, DIGEST_DTYPE[n].newbyteorder(">") if n == "position" else DIGEST_DTYPE[n])
+                       for n in DIGEST_DTYPE.names])
+        _replace_digests(f, _digest_rows(f).astype(dt))
+    return _edit(d, "digbe.h5", fn)
+
+
+@case("/digests has an absurd shape")
+def digests_2d(d: Path) -> Path:
+    return _edit(d, "dig2d.h5", lambda f: _replace_digests(f, _digest_rows(f).reshape(1, 2)))
+
+
+@case("/digests has an absurd shape")
+def digests_declare_too_many_rows(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        del f["digests"]
+        f.create_dataset("digests", shape=(1 << 40,), dtype=DIGEST_DTYPE, chunks=(1024,),
+                         **hdf5plugin.Zstd())
+    return _edit(d, "dighuge.h5", fn)
+
+
+@case("/digests is not a dataset")
+def digests_is_group(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        del f["digests"]
+        f.create_group("digests")
+    return _edit(d, "diggrp.h5", fn)
+
+
+@case("/digests is a SoftLink (only plain members are allowed)")
+def digests_soft_link(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        del f["digests"]
+        f["digests"] = h5py.SoftLink("/index")
+    return _edit(d, "digsoft.h5", fn)
+
+
+@case("/digests row 0: unknown kind 'attn.q'")
+def digest_row_bad_kind(d: Path) -> Path:
+    return _edit(d, "digkind.h5", _edit_digest("kind", b"attn.q"))
+
+
+@case("/digests row 0: unknown role 'guess'")
+def digest_row_bad_role(d: Path) -> Path:
+    return _edit(d, "digrole.h5", _edit_digest("role", b"guess"))
+
+
+@case("/digests row 0: unknown dtype 'complex64'")
+def digest_row_bad_dtype(d: Path) -> Path:
+    return _edit(d, "digdtype.h5", _edit_digest("dtype", b"complex64"))
+
+
+@case("/digests row 0: digest is not 32 lowercase hex digits")
+def digest_row_uppercase_hex(d: Path) -> Path:
+    return _edit(d, "digupper.h5", _edit_digest("digest", b"ABCDEF" + b"0" * 26))
+
+
+@case("/digests row 0: digest is not 32 lowercase hex digits")
+def digest_row_short(d: Path) -> Path:
+    return _edit(d, "digshort.h5", _edit_digest("digest", b"00ff"))
+
+
+@case("index field 'module' is not utf-8 text")
+def digest_row_module_not_utf8(d: Path) -> Path:
+    return _edit(d, "digmod.h5", _edit_digest("module", b"layers.\xff\xfe"))
+
+
+@case("/digests row 0: invalid request/position/token_start (0, 16, 17)")
+def digest_row_token_start_after_position(d: Path) -> Path:
+    return _edit(d, "digstart.h5", _edit_digest("token_start", 17))
+
+
+@case("/digests row 0: invalid request/position/token_start (-1, 16, 0)")
+def digest_row_negative_request(d: Path) -> Path:
+    return _edit(d, "digreq.h5", _edit_digest("request", -1))
+
+
+@case("/digests row 0: invalid shape (ndim 9")
+def digest_row_ndim_too_big(d: Path) -> Path:
+    return _edit(d, "digndim.h5", _edit_digest("ndim", 9))
+
+
+@case("/digests row 0: invalid shape")
+def digest_row_shape_trailing_garbage(d: Path) -> Path:
+    return _edit(d, "digtrail.h5", _edit_digest("shape", [2, 16, 5, 0, 0, 0, 0, 3]))
+
+
+@case("/digests row 0: declares 2199023255552 bytes (limit 1099511627776)")
+def digest_row_declares_2tib(d: Path) -> Path:
+    return _edit(d, "digdecl.h5", _edit_digest("shape", [1 << 40, 1, 1, 0, 0, 0, 0, 0]))
+
+
+@case("/digests chunk (0,): stored chunk of 65549 bytes")
+def digests_decompression_bomb(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        rows = _digest_rows(f)
+        del f["digests"]
+        ds = f.create_dataset("digests", shape=rows.shape, dtype=DIGEST_DTYPE, chunks=rows.shape,
+                              **hdf5plugin.Zstd())
+        ds.id.write_direct_chunk((0,), rle_frame(1 << 31))
+    return _edit(d, "digbomb.h5", fn)
 
 
 # Tensor-level cases: the trace opens; reading the tensor t000000000 must fail.
@@ -691,6 +846,74 @@ def request_prompt_len_mismatch(d: Path) -> Path:
     return _edit(d, "toklen.h5", fn)
 
 
+def _replace_request_ds(name: str, data: np.ndarray, req: str = "r00000000") -> Callable[[h5py.File], None]:
+    def fn(f: h5py.File) -> None:
+        g = f["requests"][req]
+        if name in g:
+            del g[name]
+        g.create_dataset(name, data=data)
+    return fn
+
+
+@case("output_logprobs: stored type float64 is not the expected float32")
+def logprobs_float64(d: Path) -> Path:
+    return _edit(d, "lpf64.h5", _replace_request_ds("output_logprobs", np.array(LOGPROBS[0], "<f8")))
+
+
+@case("output_logprobs: stored type >f4 is not the expected float32")
+def logprobs_big_endian(d: Path) -> Path:
+    return _edit(d, "lpbe.h5", _replace_request_ds("output_logprobs", np.array(LOGPROBS[0], ">f4")))
+
+
+@case("output_topk_ids: stored type int32 is not the expected int64")
+def topk_ids_int32(d: Path) -> Path:
+    return _edit(d, "tki32.h5", _replace_request_ds("output_topk_ids", np.array(LOGPROBS[1], "<i4")))
+
+
+@case("output_topk_ids is not a 2-D dataset of sane size")
+def topk_ids_1d(d: Path) -> Path:
+    return _edit(d, "tk1d.h5", _replace_request_ds("output_topk_ids", np.array([7, 3, 9, 8], "<i8")))
+
+
+@case("output_logprobs has 3 values for 2 output tokens")
+def logprobs_length_mismatch(d: Path) -> Path:
+    return _edit(d, "lplen.h5", _replace_request_ds("output_logprobs", np.array([-1, -2, -3], "<f4")))
+
+
+@case("output_topk_ids has shape (2, 2) but output_topk_logprobs (2, 3)")
+def topk_shapes_disagree(d: Path) -> Path:
+    return _edit(d, "tkshape.h5", _replace_request_ds("output_topk_logprobs", np.zeros((2, 3), "<f4")))
+
+
+@case("output_topk_ids has shape (2, 65), not [2 output tokens, k <= 64]")
+def topk_too_wide(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        _replace_request_ds("output_topk_ids", np.zeros((2, 65), "<i8"))(f)
+        _replace_request_ds("output_topk_logprobs", np.zeros((2, 65), "<f4"))(f)
+    return _edit(d, "tkwide.h5", fn)
+
+
+@case("output_topk_ids and output_topk_logprobs must come together, with output_logprobs")
+def topk_without_logprobs(d: Path) -> Path:
+    return _edit(d, "tkalone.h5", _del("requests/r00000001/output_logprobs"))
+
+
+@case("output_topk_ids and output_topk_logprobs must come together, with output_logprobs")
+def topk_half(d: Path) -> Path:
+    return _edit(d, "tkhalf.h5", _del("requests/r00000000/output_topk_logprobs"))
+
+
+@case("'output_logprobs' is not a list of numbers")
+def legacy_logprobs_not_numbers(d: Path) -> Path:
+    def fn(f: h5py.File) -> None:
+        for name in ("output_logprobs", "output_topk_ids", "output_topk_logprobs"):
+            del f["requests/r00000000"][name]
+        rec = json.loads(f["requests/r00000000"].attrs["json"])
+        rec["output_logprobs"] = [-0.5, "x"]
+        f["requests/r00000000"].attrs["json"] = json.dumps(rec)
+    return _edit(d, "lplegacy.h5", fn)
+
+
 @case("missing /requests group")
 def requests_missing(d: Path) -> Path:
     return _edit(d, "noreq.h5", _del("requests"))
@@ -811,6 +1034,23 @@ PARTIAL_CASES["second_segment_truncated"] = (_damage_segment(1, "truncated"), 2,
 PARTIAL_CASES["first_segment_garbage"] = (_damage_segment(0, "garbage"), 0, "seg-00000000.h5 is damaged")
 PARTIAL_CASES["second_segment_fifo"] = (_damage_segment(1, "fifo"), 2, "seg-00000001.h5 is not a regular file")
 PARTIAL_CASES["first_segment_missing"] = (_damage_segment(0, "gap"), 0, "(0 steps)")
+
+
+def _segment_with_bad_digests(d: Path) -> Path:
+    """Step 1's segment carries a /digests table with an unknown role: its whole step is dropped."""
+    p = _parts(d, "segdigests")
+    with h5py.File(p / "seg-00000001.h5", "r+") as f:
+        block, req, pos = DIGESTS[0]
+        row = np.zeros(1, DIGEST_DTYPE)
+        row[0] = (req, pos, pos - 16, 1, b"attn.k", b"guess", b"m", 1, 3, b"bfloat16", 3,
+                  list(block.shape) + [0] * 5, digest_array(block).encode())
+        f.create_dataset("digests", data=row)
+        f.attrs["format_version"] = 2  # a segment without digests is written as version 1
+    return p
+
+
+PARTIAL_CASES["second_segment_bad_digests"] = (
+    _segment_with_bad_digests, 2, "/digests row 0: unknown role 'guess'")
 
 
 def write_corpus(out: Path) -> list[Path]:

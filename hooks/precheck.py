@@ -1,0 +1,286 @@
+"""Checks ``statediff record`` runs before any engine starts.
+
+Everything here reads only the model directory (``config.json`` and the
+tokenizer files, through ``transformers.AutoTokenizer``) and the
+conversation, so a bad ``--model``, a token id outside the vocabulary or a
+request longer than the engine can hold is refused in seconds with one line
+naming the line of the conversation file, instead of after an engine start
+(17-60 s on CPU) with the engine's own message and no line number.
+
+The limits mirror vLLM 0.32:
+
+- a prompt token id must be <= max(the tokenizer's largest id, the model's
+  ``vocab_size`` - 1) (``vllm/renderers/base.py`` ``validate_token_ids``);
+- a prompt must be shorter than ``max_model_len``
+  (``vllm/v1/engine/input_processor.py`` ``_validate_prompt_len``), and vLLM
+  silently cuts generation at ``max_model_len``; a replay wants every
+  request's ``max_tokens`` too, so a request needs prompt + ``max_tokens``
+  positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from statediff.errors import StatediffError
+from statediff.replay.conversation import Turn
+
+#: ``max_model_len`` is rounded up to a multiple of this many tokens when no
+#: ``--block-size`` is given: vLLM's CPU default block size, a multiple of the GPU default 16.
+DEFAULT_ROUND = 128
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFiles:
+    """A model's ``config.json``, read without an engine.
+
+    ``path``: what ``--model`` resolved to (a directory, or a Hugging Face id
+    found in the local cache); ``config``: the parsed ``config.json``.
+    """
+
+    path: str
+    config: dict
+
+    def _field(self, name: str) -> Any:
+        # multimodal checkpoints keep the language model's limits in text_config
+        for c in (self.config.get("text_config"), self.config):
+            if isinstance(c, dict) and c.get(name) is not None:
+                return c[name]
+        return None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """``vocab_size`` of the embedding (ids 0 .. vocab_size-1), None if unstated."""
+        v = self._field("vocab_size")
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    def length_limit(self, tokenizer: Any = None) -> tuple[int, str] | None:
+        """The longest sequence (tokens) vLLM 0.32 lets this model hold, and where it comes from.
+
+        Mirrors ``_get_and_verify_max_len`` (``vllm/config/model.py``): the smallest
+        of the config's length keys (``max_position_embeddings``, ``n_positions``,
+        ...), capped by the tokenizer's ``model_max_length``, times the RoPE
+        ``factor`` for scaling types that do not pre-scale it (not YaRN, Llama 3,
+        LongRoPE). None when nothing states a limit.
+        """
+        best: tuple[float, str] | None = None
+        for key in _LENGTH_KEYS:
+            v = self._field(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and (best is None or v < best[0]):
+                best = (v, f"{key} {int(v)} in {self.path}/config.json")
+        tml = getattr(tokenizer, "model_max_length", None)
+        if isinstance(tml, int) and 0 < tml < 10**9 and (best is None or tml < best[0]):
+            best = (tml, f"model_max_length {tml} in {self.path}/tokenizer_config.json")
+        if best is None:
+            return None
+        rope = self._field("rope_parameters") or self._field("rope_scaling")
+        factor = 1.0
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in _PRESCALED_ROPE:
+            factor = float(rope.get("factor") or 1.0)
+        n = int(best[0] * factor)
+        return n, best[1] if factor == 1.0 else f"{best[1]}, times RoPE factor {factor:g}"
+
+
+#: vLLM 0.32 ``ModelArchConfigConvertor.derive_max_model_len_and_key``: the smallest present wins.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+#: RoPE types whose max_position_embeddings is already the scaled length (or that have no factor).
+_PRESCALED_ROPE = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling", None)
+
+
+def check_model(model: str) -> ModelFiles:
+    """Refuse a ``--model`` that is not a model directory; return its config.
+
+    A string that is not an existing path but looks like ``org/name`` is
+    looked up as a Hugging Face id (the local cache when ``HF_HUB_OFFLINE=1``,
+    which ``record`` sets unless the user set it).
+
+    Raises:
+        StatediffError: one line: no such directory, a file, an empty
+            directory, no ``config.json``, or a ``config.json`` that is not a JSON object.
+    """
+    p = Path(model).expanduser()
+    if not p.exists():
+        if not model.startswith((".", "/", "~")) and _REPO_ID.match(model):
+            return _hub_model(model)
+        raise StatediffError(f"--model {model}: no such directory")
+    if not p.is_dir():
+        raise StatediffError(f"--model {model}: a file, not a model directory (one holding config.json, "
+                             "the weights and the tokenizer files)")
+    names = sorted(x.name for x in p.iterdir())
+    if not names:
+        raise StatediffError(f"--model {model}: empty directory (a model directory holds config.json, "
+                             "the weights and the tokenizer files)")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        shown = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        raise StatediffError(f"--model {model}: no config.json in this directory (it holds {shown})")
+    return ModelFiles(str(p), _read_config(cfg, model))
+
+
+def _hub_model(model: str) -> ModelFiles:
+    try:
+        from transformers.utils import cached_file
+
+        path = cached_file(model, "config.json")
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types; the first line says enough
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StatediffError(f"--model {model}: no such directory, and not a Hugging Face model "
+                             f"this machine can read ({first})") from None
+    if not path:
+        raise StatediffError(f"--model {model}: no such directory, and no config.json for it on the Hugging Face hub")
+    return ModelFiles(model, _read_config(Path(path), model))
+
+
+def _read_config(path: Path, model: str) -> dict:
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise StatediffError(f"--model {model}: cannot read config.json ({type(e).__name__}: {e})") from None
+    except ValueError as e:
+        raise StatediffError(f"--model {model}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise StatediffError(f"--model {model}: config.json is not a JSON object")
+    return cfg
+
+
+def load_tokenizer(model: ModelFiles) -> Any:
+    """The model's tokenizer (``transformers.AutoTokenizer``; the one vLLM loads too).
+
+    Raises:
+        StatediffError: one line when transformers cannot load it.
+    """
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model.path)
+    except Exception as e:  # noqa: BLE001 - tokenizer loading raises many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise StatediffError(f"--model {model.path}: cannot load its tokenizer: {type(e).__name__}: {first}") from None
+
+
+def vocab_limit(model: ModelFiles, tokenizer: Any) -> int:
+    """The largest prompt token id vLLM 0.32 accepts for this model (``validate_token_ids``)."""
+    ids = [int(v) for v in tokenizer.get_vocab().values()]
+    candidates = [max(ids) if ids else -1, int(getattr(tokenizer, "vocab_size", 0) or 0) - 1]
+    if model.vocab_size:
+        candidates.append(model.vocab_size - 1)
+    return max(candidates)
+
+
+def render_prompts(turns: list[Turn], tokenizer: Any, source: str) -> list[list[int]]:
+    """Token ids per turn: ``prompt_token_ids`` as given, chat turns through the chat template.
+
+    The same call as ``vllm.replay.render_prompts`` (``add_generation_prompt=True``, the
+    line's ``tools``), so the prompts checked here are the prompts replayed.
+
+    Raises:
+        StatediffError: ``source:line: ...`` when the chat template fails on a line.
+    """
+    out = []
+    for t in turns:
+        if t.prompt_token_ids is not None:
+            out.append([int(x) for x in t.prompt_token_ids])
+            continue
+        try:
+            ids = tokenizer.apply_chat_template(t.messages, tools=t.tools, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        except Exception as e:  # noqa: BLE001 - jinja and transformers raise many types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise StatediffError(f"{source}:{t.line}: the model's chat template failed on this request: "
+                                 f"{type(e).__name__}: {first}") from None
+        out.append([int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)])
+    return out
+
+
+def check_token_ids(turns: list[Turn], limit: int, source: str, model: str) -> None:
+    """Every ``prompt_token_ids`` id lies in 0 .. ``limit``.
+
+    Raises:
+        StatediffError: ``source:line: token id N (at prompt position P) is outside the vocabulary ...``.
+    """
+    for t in turns:
+        if t.prompt_token_ids is None:
+            continue
+        for pos, tid in enumerate(t.prompt_token_ids):
+            if not 0 <= tid <= limit:
+                raise StatediffError(f"{source}:{t.line}: token id {tid} (prompt position {pos}) is outside the "
+                                     f"vocabulary of {model} (ids 0..{limit})")
+
+
+def round_up(n: int, block: int) -> int:
+    """``n`` rounded up to a multiple of ``block`` (tokens)."""
+    return -(-n // block) * block
+
+
+def fit_max_model_len(turns: list[Turn], prompts: list[list[int]], *, max_model_len: int | None,
+                      limit: tuple[int, str] | None, block_size: int | None, source: str) -> int:
+    """The ``max_model_len`` to start the engine with, or a refusal.
+
+    A request needs ``len(prompt) + max_tokens`` positions. With
+    ``max_model_len`` None: the largest need, rounded up to ``block_size``
+    (else ``DEFAULT_ROUND``) tokens, capped by the model's ``limit``
+    (``ModelFiles.length_limit``: tokens and where it is stated). With
+    ``max_model_len`` given: returned unchanged when every request fits (the
+    user's setting wins over the model's limit, as in vLLM).
+
+    Raises:
+        StatediffError: one line naming the first request that does not fit
+            (``source:line: request I needs N tokens (P prompt + M max_tokens) ...``),
+            with the ``--max-model-len`` that fits every request, or the model's
+            own limit when no setting can hold it.
+    """
+    needs = [len(ids) + int(t.sampling.get("max_tokens", 16)) for t, ids in zip(turns, prompts)]
+    fit = round_up(max(needs), block_size or DEFAULT_ROUND)
+    if max_model_len is None and limit is not None:
+        for i, (t, need) in enumerate(zip(turns, needs)):
+            if need > limit[0]:
+                raise StatediffError(
+                    f"{source}:{t.line}: request {i} needs {need} tokens ({len(prompts[i])} prompt + "
+                    f"{need - len(prompts[i])} max_tokens), more than the model holds ({limit[1]})")
+        fit = min(fit, limit[0])
+    if max_model_len is None:
+        return fit
+    for i, (t, need) in enumerate(zip(turns, needs)):
+        if need > max_model_len:
+            raise StatediffError(
+                f"{source}:{t.line}: request {i} needs {need} tokens ({len(prompts[i])} prompt + "
+                f"{need - len(prompts[i])} max_tokens), more than --max-model-len {max_model_len}; "
+                f"--max-model-len {fit} fits every request")
+    return max_model_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What the checks found: the prompts to replay (token ids per request) and the
+    ``max_model_len`` to start the engine with (None: not an engine that takes one)."""
+
+    model: ModelFiles
+    prompts: list[list[int]]
+    max_model_len: int | None
+
+
+def precheck(turns: list[Turn], model: str, *, source: str, max_model_len: int | None = None,
+             block_size: int | None = None, fit_length: bool = True) -> Checked:
+    """All checks of a replay that need no engine, in the order a user would fix them:
+    the model directory, the tokenizer, token ids, rendering, lengths.
+
+    ``fit_length``: also settle ``max_model_len`` (``fit_max_model_len``); off for
+    engines that take none (transformers).
+
+    Raises:
+        StatediffError: the first problem, as one line.
+    """
+    files = check_model(model)
+    tok = load_tokenizer(files)
+    check_token_ids(turns, vocab_limit(files, tok), source, files.path)
+    prompts = render_prompts(turns, tok, source)
+    mml = (fit_max_model_len(turns, prompts, max_model_len=max_model_len, limit=files.length_limit(tok),
+                             block_size=block_size, source=source) if fit_length else max_model_len)
+    return Checked(files, prompts, mml)

@@ -1,0 +1,63 @@
+"""``statediff compare HIT COLD`` (or ``compare BUNDLE.zip``): name the first divergent tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted, warn
+
+
+@click.command("compare", short_help="Name the first divergent tensor of HIT vs COLD.")
+@click.argument("hit", type=PATH)
+@click.argument("cold", type=PATH, required=False)  # omitted: HIT is a bundle .zip (statediff extract)
+@compare_options
+@json_option("the report")
+@click.option("--plot", type=OUT_FILE, metavar="OUT.png",
+              help="Also write per-request heatmaps of the error over layer x position (needs matplotlib); "
+                   "a plot that cannot be written is a warning and leaves the exit code alone.")
+@click.option("--max-listed", type=click.IntRange(0), default=10, show_default=True,
+              help="How many divergences after the first to list.")
+@click.option("--first", is_flag=True,
+              help="Fail fast: stop at the first divergence (the same root a full compare names) and "
+                   "diagnose it; later divergences are neither judged nor counted.")
+@click.pass_context
+def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_json: bool, plot: Path | None,
+                max_listed: int, first: bool) -> None:
+    """Name the first tensor where the HIT trace diverges from the COLD trace.
+
+    Pairs tensors by (request, position, layer, kind), judges each pair
+    against the tolerance policy (--tol rules, else --noise envelopes, else
+    bit identity when both traces replayed exactly, else dtype defaults:
+    float32 atol 1e-5 rtol 1e-4, float16 1e-3/5e-3, bfloat16 1e-2/2e-2,
+    integers exact), reports the first divergence in causal order, its
+    propagated consequences and what the wrong tensor matches instead.
+    Exit 0 no divergence, 1 divergence, 2 error.
+
+    'statediff compare BUNDLE.zip' compares the two traces of a bundle
+    written by 'statediff extract', with the options it was extracted with.
+    """
+    from statediff.diff.plot import require_matplotlib, write_plot
+    from statediff.errors import StatediffError
+    from statediff.incident.bundle import compare_bundle, looks_like_bundle
+
+    if plot is not None:
+        require_matplotlib()
+    kw = dict(max_listed=max_listed, progress=progress_wanted(as_json), stop_at_first=first)
+    if cold is not None:
+        result = compare_pair(hit, cold, options, **kw)
+    elif looks_like_bundle(hit):
+        result = compare_bundle(hit, options, **kw)
+    else:
+        raise click.UsageError("Missing argument 'COLD' (give HIT COLD traces, or one bundle .zip "
+                               "written by 'statediff extract')")
+    emit(result, as_json)
+    if plot is not None:
+        try:
+            where = write_plot(result, plot)
+        except StatediffError as e:  # the verdict above stands, and so does its exit code
+            warn(f"no plot written: {e}")
+        else:  # on stderr: stdout holds the report (one JSON object with --json)
+            click.echo(f"statediff: wrote the heatmap to {where}", err=True)
+    ctx.exit(result.exit_code)

@@ -1,0 +1,43 @@
+"""``statediff report HIT COLD``: the incident record, in Markdown ready to paste into an issue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from statediff.errors import StatediffError
+
+from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option
+
+
+@click.command("report", short_help="Write the incident record (Markdown) of HIT vs COLD.")
+@click.argument("hit", type=PATH)
+@click.argument("cold", type=PATH)
+@click.option("-o", "--output", type=OUT_FILE, metavar="REPORT.md",
+              help="Write the Markdown here instead of printing it.")
+@compare_options
+@json_option("the record")
+@click.pass_context
+def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, options, as_json: bool) -> None:
+    """The incident record of HIT vs COLD, in Markdown ready to paste into an issue.
+
+    Engine version and commit, checkpoint and quantization, drafter, method
+    and speculative tokens, prompt tokens and prefix-cache hit per turn,
+    mamba cache mode, acceptance, seed and sampling, forced cache misses,
+    replay mode, block size, the root divergence and its diagnosis, and the
+    commands that reproduce it; 'unknown' where the traces do not say.
+    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error.
+    """
+    from statediff.incident.record import build_report
+
+    report = build_report(compare_pair(hit, cold, options), options)
+    if output is not None:
+        try:
+            output.write_text(report.to_markdown(), encoding="utf-8")
+        except OSError as e:
+            raise StatediffError(f"cannot write {output}: {e.strerror or e}") from None
+        click.echo(f"wrote {output}: {report.title}")
+    else:
+        emit(report, as_json)
+    ctx.exit(report.exit_code)

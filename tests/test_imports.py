@@ -1,0 +1,158 @@
+"""The import graph of statediff/ (static, ast): no cycle, and dependencies point one way.
+
+trace (the format) <- diff (the comparison) <- incident (reports, bundles) <- cli; replay beside them;
+errors and jsonutil below everything; nothing imports the engine side (statediff_hooks) or torch.
+Every import counts, also those inside functions (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "statediff"
+
+# package -> what else of statediff it may import (besides itself)
+ALLOWED = {
+    "statediff.trace": {"statediff.errors", "statediff.jsonutil"},
+    "statediff.replay": {"statediff.errors", "statediff.jsonutil"},
+    "statediff.errors": set(),
+    "statediff.jsonutil": set(),
+}
+FORBIDDEN = {  # package -> packages it must not import
+    "statediff.diff": {"statediff.incident", "statediff.cli"},
+    "statediff.incident": {"statediff.cli"},
+}
+ENGINE = {"torch", "vllm", "transformers", "statediff_hooks"}
+
+
+def modules(root: Path = PKG) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the package at ``root``."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path) -> set[str]:
+    """Every dotted name ``path`` (module ``name``) imports, relative imports resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the statediff modules it imports (a name resolves to its longest known prefix; a
+    package is left out where a module under it is named, as in ``from ..incident import record``)."""
+    edges = {}
+    for m, path in mods.items():
+        targets = set()
+        for t in imports(m, path):
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != m and not m.startswith(t + "."):  # a module's own parent packages load first anyway
+                targets.add(t)
+        edges[m] = {t for t in targets if not any(u.startswith(t + ".") for u in targets)}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def violations(edges: dict[str, set[str]], mods: dict[str, Path]) -> list[str]:
+    """Each import that breaks ``ALLOWED``, ``FORBIDDEN`` or the engine rule, as 'a -> b'."""
+    bad = []
+    for m, targets in sorted(edges.items()):
+        for pkg, allowed in ALLOWED.items():
+            if _under(m, pkg):
+                bad += [f"{m} -> {t}" for t in sorted(targets) if not _under(t, pkg)
+                        and not any(_under(t, a) for a in allowed)]
+        for pkg, forbidden in FORBIDDEN.items():
+            if _under(m, pkg):
+                bad += [f"{m} -> {t}" for t in sorted(targets) if any(_under(t, f) for f in forbidden)]
+        bad += [f"{m} -> {name}" for name in sorted(imports(m, mods[m])) if name.partition(".")[0] in ENGINE]
+    return bad
+
+
+def test_statediff_has_no_import_cycle():
+    mods = modules()
+    assert {"statediff.trace.reader", "statediff.diff.compare", "statediff.incident.bundle",
+            "statediff.cli"} <= set(mods)
+    assert cycles(graph(mods)) == []
+
+
+def test_dependencies_point_one_way():
+    mods = modules()
+    assert violations(graph(mods), mods) == []
+
+
+def test_the_checks_catch_a_cycle_and_a_forbidden_edge(tmp_path):
+    pkg = tmp_path / "statediff"
+    for rel, text in {"__init__.py": "", "errors.py": "", "trace/__init__.py": "",
+                      "trace/reader.py": "from statediff.diff import metrics\n",
+                      "diff/__init__.py": "", "diff/metrics.py": "from . import tolerance\n",
+                      "diff/tolerance.py": "def f():\n    from .metrics import x\n    import torch\n",
+                      "incident/__init__.py": "", "diff/compare.py": "from ..incident import record\n",
+                      "incident/record.py": ""}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    mods = modules(pkg)
+    edges = graph(mods)
+    assert cycles(edges) == [["statediff.diff.metrics", "statediff.diff.tolerance"]]
+    assert violations(edges, mods) == [
+        "statediff.diff.compare -> statediff.incident.record",
+        "statediff.diff.tolerance -> torch",
+        "statediff.trace.reader -> statediff.diff.metrics"]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED) + sorted(FORBIDDEN))
+def test_every_rule_names_a_real_module(package):
+    assert package in modules()
