@@ -38,7 +38,7 @@ def ablate(ctx: click.Context, matrix: Path, markdown: Path | None, work_dir: Pa
     recorded on fresh engines ('statediff record' subprocesses) and
     compared; a variant that cannot record is an ERROR row. A run whose
     record arguments equal an earlier variant's reuses its trace. The matrix
-    format is described in statediff_hooks/ablate.py. Exit 0 when every row
+    format is described in statediff_hooks/drivers/ablate.py. Exit 0 when every row
     matched its expectation (expect = "pass" by default), 1 otherwise, 2
     for a bad matrix file.
     """

@@ -134,14 +134,14 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
               help="Record the K/V of every completed block, or none.")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request of the built-in conversation.")
 @click.option("--sweep-boundaries", is_flag=True,
-              help="Instead of a conversation, replay a boundary sweep (statediff/sweep.py): prompts of "
+              help="Instead of a conversation, replay a boundary sweep (statediff/replay/sweep.py): prompts of "
                    "n*B-1, n*B, n*B+3, n*B+1 and n*B+K+1 tokens for the engine's actual block size B and K "
                    "speculative tokens, sharing one prefix so every request after the first hits.")
 @click.option("--sweep-blocks", type=click.IntRange(1), default=2, show_default=True,
               help="With --sweep-boundaries: straddle the boundaries 2B .. (N+1)B.")
 @click.option("--engine", type=click.Choice(["vllm", "transformers"]), default="vllm", show_default=True,
               help="transformers: a CPU/GPU reference for hybrids, a prefix-cache hit = resuming from a stored "
-                   "copy of transformers' own cache (hooks/transformers_adapter.py).")
+                   "copy of transformers' own cache (hooks/transformers/adapter.py).")
 @click.option("--drafter", default=None, metavar="DIR|dflash",
               help="With --engine transformers: a DFlash drafter directory, or 'dflash' for the built-in tiny one.")
 @click.option("--activations", is_flag=True,
@@ -217,7 +217,7 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
                  "record_argv": record_argv(click.get_current_context())}
     sweep = None
     with _engine_output(output, engine_log, progress=not no_progress) as console:
-        if sweep_boundaries:  # statediff/sweep.py, sized for this engine (hooks/sweep.py)
+        if sweep_boundaries:  # statediff/replay/sweep.py, sized for this engine (hooks/drivers/sweep.py)
             from statediff_hooks.drivers.sweep import BUILTIN_NAME, engine_sweep
 
             sweep = engine_sweep(kw, blocks=sweep_blocks, max_tokens=max_tokens, seed=seed)
@@ -263,7 +263,7 @@ def _engine_output(output: str, show: bool, *, progress: bool) -> Iterator[Any]:
 
 def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, fault, drafter, block_size,
                          overwrite, kv, seed, dtype, progress, conversation, unsupported) -> None:
-    """`record --engine transformers`: hooks/transformers_adapter.py on the same trace format."""
+    """`record --engine transformers`: hooks/transformers/adapter.py on the same trace format."""
     for opt, val in unsupported.items():
         if val:
             raise StatediffError(f"{opt} is not supported with --engine transformers")
