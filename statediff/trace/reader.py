@@ -184,15 +184,22 @@ def _read_index(f: h5py.File, path: Path) -> np.ndarray:
     ds = _hard_child(f, "index", str(path))
     if not isinstance(ds, h5py.Dataset):
         raise TraceError(f"{path}: missing /index dataset")
+    return _read_table(f, path, ds, "index", INDEX_DTYPE, MAX_INDEX_ROWS)
+
+
+def _read_table(f: h5py.File, path: Path, ds: h5py.Dataset, name: str, dtype: np.dtype,
+                max_rows: int) -> np.ndarray:
+    """The rows of a 1-D compound table (``/index``, ``/digests``): exactly ``dtype``, at most
+    ``max_rows`` rows, read within the file's size limits."""
     try:
         shape = tuple(ds.shape) if ds.shape is not None else None
     except Exception as e:
-        raise TraceError(f"{path}: /index is unreadable: {_short(e)}") from None
-    if shape is None or len(shape) != 1 or shape[0] > MAX_INDEX_ROWS:
-        raise TraceError(f"{path}: /index has an absurd shape {shape} (at most {MAX_INDEX_ROWS} rows)")
-    if ds.dtype != INDEX_DTYPE:
-        raise TraceError(f"{path}: /index has an unexpected record layout")
-    return StoredArray(ds, INDEX_DTYPE, shape, f"{path}: /index", _file_size(f, path)).read()
+        raise TraceError(f"{path}: /{name} is unreadable: {_short(e)}") from None
+    if shape is None or len(shape) != 1 or shape[0] > max_rows:
+        raise TraceError(f"{path}: /{name} has an absurd shape {shape} (at most {max_rows} rows)")
+    if ds.dtype != dtype:
+        raise TraceError(f"{path}: /{name} has an unexpected record layout")
+    return StoredArray(ds, dtype, shape, f"{path}: /{name}", _file_size(f, path)).read()
 
 
 def _file_size(f: h5py.File, path: Path) -> int:
@@ -244,15 +251,7 @@ def _read_digests(f: h5py.File, path: Path, version: int) -> list[DigestEntry]:
     if version < MIN_DIGEST_VERSION:
         raise TraceError(f"{path}: /digests in a version {version} trace "
                          f"(digests need format version {MIN_DIGEST_VERSION})")
-    try:
-        shape = tuple(ds.shape) if ds.shape is not None else None
-    except Exception as e:
-        raise TraceError(f"{path}: /digests is unreadable: {_short(e)}") from None
-    if shape is None or len(shape) != 1 or shape[0] > MAX_DIGEST_ROWS:
-        raise TraceError(f"{path}: /digests has an absurd shape {shape} (at most {MAX_DIGEST_ROWS} rows)")
-    if ds.dtype != DIGEST_DTYPE:
-        raise TraceError(f"{path}: /digests has an unexpected record layout")
-    rows = StoredArray(ds, DIGEST_DTYPE, shape, f"{path}: /digests", _file_size(f, path)).read()
+    rows = _read_table(f, path, ds, "digests", DIGEST_DTYPE, MAX_DIGEST_ROWS)
     return [_digest_entry(row, n, str(path)) for n, row in enumerate(rows)]
 
 
