@@ -284,3 +284,21 @@ def precheck(turns: list[Turn], model: str, *, source: str, max_model_len: int |
     mml = (fit_max_model_len(turns, prompts, max_model_len=max_model_len, limit=files.length_limit(tok),
                              block_size=block_size, source=source) if fit_length else max_model_len)
     return Checked(files, prompts, mml)
+
+
+def check_focus(focus: Any, turns: list[Turn], prompts: list[list[int]], source: str) -> None:
+    """A ``--focus request=R,position=P`` that the replay can reach (``keep.Focus``).
+
+    Raises:
+        StatediffError: request ``R`` is not in the conversation, or position ``P`` is
+            past the request's prompt plus its ``max_tokens``.
+    """
+    if focus is None:
+        return
+    r, p = focus.request, focus.position
+    if r >= len(turns):
+        raise StatediffError(f"--focus request {r}: {source} has {len(turns)} requests (0..{len(turns) - 1})")
+    end = len(prompts[r]) + int(turns[r].sampling.get("max_tokens", 16))
+    if p > end:
+        raise StatediffError(f"--focus position {p}: request {r} of {source} ends by token {end} "
+                             f"(prompt {len(prompts[r])} + max_tokens)")

@@ -1,8 +1,9 @@
 """How a trace was recorded: the ``statediff record`` command line, rebuilt from click.
 
 Stored in the run metadata as ``record_argv`` (a list of strings, without
-``-o``, ``--overwrite``, ``--no-progress``, ``--engine-log``, ``--mode``, ``--split-like``), so that ``statediff
-report`` can print the exact commands that reproduce a trace.
+``-o``, ``--overwrite``, ``--no-progress``, ``--engine-log``, ``--mode``, ``--split-like``, ``--keep``,
+``--focus``, ``--focus-check``), so that ``statediff report`` can print the exact commands that
+reproduce a trace (what is kept does not change what is replayed; a report adds its own ``--focus``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import click
 
 # options that name where/how this one recording is written, not what was run
-SKIP = ("output", "overwrite", "no_progress", "engine_log", "mode", "split_like")
+SKIP = ("output", "overwrite", "no_progress", "engine_log", "mode", "split_like", "keep", "focus", "focus_check")
 
 
 def record_argv(ctx: click.Context) -> list[str]:

@@ -1,7 +1,10 @@
 """``inspect``: what a trace holds, without reading any tensor data.
 
-Everything here comes from the trace's index, run metadata and request
-records, plus HDF5's storage sizes; tensors are never decompressed.
+Everything here comes from the trace's index and digest tables, run
+metadata and request records, plus HDF5's storage sizes; tensors are never
+decompressed. A tensor either has data (an index entry) or is a digest only
+(a ``/digests`` row without data: its summary, format version 3, or its
+digest, version 2); both are counted per kind.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from statediff.jsonutil import jsonable
 from statediff.trace.reader import open_trace
-from statediff.trace.schema import FORMAT_NAME, RUN_KEYS
+from statediff.trace.schema import FORMAT_NAME, KIND_RANK, RUN_KEYS, TensorEntry
 
 MAX_POSITIONS_LISTED = 8
 
@@ -24,6 +27,12 @@ class InspectResult:
     """Summary of one trace (``to_text``/``to_json``; ``exit_code`` is always 0).
 
     Attributes:
+        tensors: tensors with data (index entries).
+        digest_only: tensors recorded as a digest only (no data).
+        by_kind, by_role, by_layer: tensors with data, per kind / role / layer.
+        kinds: per kind, ``{"data": n, "digest_only": m}`` (every captured kind).
+        keep: the run's keep policy (run key ``keep``: ``policy``, ``budget_bytes``,
+            ``focus``, ...), or None when the trace does not record one (before version 3).
         sizes: ``raw_bytes`` (decompressed tensor bytes), ``stored_bytes``
             (the tensor datasets on disk), ``file_bytes`` (the file or parts
             directory), ``ratio`` (raw / stored).
@@ -43,6 +52,9 @@ class InspectResult:
     exit_code: int = 0
     incomplete_reason: str = ""  # why the trace is incomplete (partial), "" when complete
     hit_findings: list[str] = dataclasses.field(default_factory=list)  # statediff.replay.hits
+    digest_only: int = 0
+    kinds: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    keep: dict[str, Any] | None = None
 
     def to_json(self) -> dict:
         return jsonable(dataclasses.asdict(self) | {"format": FORMAT_NAME})
@@ -64,9 +76,17 @@ class InspectResult:
             out.append(f"  {r['index']:>7}  {r['prompt_len']!s:>6}  {cached!s:>6}  {exp!s:>8}  "
                        f"{r['outputs']:>7}  {r['request_id']}")
         out += [f"hit finding: {f}" for f in self.hit_findings]
-        out.append(f"captured: {self.tensors} tensors")
+        if self.digest_only:
+            out.append(f"captured: {self.tensors + self.digest_only} tensors, {self.tensors} with data, "
+                       f"{self.digest_only} digest only")
+            out.append("  by kind, with data + digest only: " + ", ".join(
+                f"{k} {c['data']} + {c['digest_only']}" for k, c in self.kinds.items()))
+        else:
+            out.append(f"captured: {self.tensors} tensors")
+        out.append(f"keep policy: {_keep(self.keep)}")
         for name, counts in (("kind", self.by_kind), ("role", self.by_role), ("layer", self.by_layer)):
-            out.append(f"  by {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+            with_data = " with data" if self.digest_only else ""
+            out.append(f"  by {name}{with_data}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         out.append("  positions:")
         out += [f"    request {r}: {_positions(ps)}" for r, ps in self.positions.items()]
         s = self.sizes
@@ -84,6 +104,26 @@ def _value(key: str, v: Any) -> str:
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, default=str)
     return str(v)
+
+
+def _keep(keep: Any) -> str:
+    """One line: the recorded keep policy (``record --keep``), or what its absence means."""
+    if not isinstance(keep, dict):
+        return "not recorded (a trace recorded before format version 3)"
+    policy = keep.get("policy")
+    text = str(policy) if policy is not None else "unknown"
+    if policy == "budget" and isinstance(keep.get("budget_bytes"), int):
+        text += f" ({_mib(keep['budget_bytes'])})"
+    focus = keep.get("focus")
+    if isinstance(focus, dict) and focus:  # in --focus order (the stored object has its keys sorted)
+        order = sorted(focus, key=lambda k: (("request", "position", "layers") + (k,)).index(k))
+        text += ", focus " + ",".join(f"{k}={'/'.join(map(str, focus[k])) if isinstance(focus[k], list) else focus[k]}"
+                                      for k in order)
+    if isinstance(keep.get("kept_tensors"), int) and isinstance(keep.get("kept_bytes"), int):
+        text += f"; kept {keep['kept_tensors']} tensors ({_mib(keep['kept_bytes'])})"
+    if isinstance(keep.get("digest_only_tensors"), int):
+        text += f", {keep['digest_only_tensors']} digest only"
+    return text
 
 
 def _positions(ps: list[int]) -> str:
@@ -119,8 +159,13 @@ def inspect_trace(path: str | os.PathLike) -> InspectResult:
                      "outputs": len(r.get("output_token_ids") or []), "finished": r.get("finished")}
                     for i, r in sorted(t.requests.items())]
         positions: dict[int, set[int]] = defaultdict(set)
-        for e in t.entries:
+        digests = list(getattr(t, "digests", ()))
+        for e in [*t.entries, *digests]:
             positions[e.request].add(e.position)
+        kinds: dict[str, dict[str, int]] = {}
+        for e in sorted([*t.entries, *digests], key=lambda e: KIND_RANK.get(e.kind, len(KIND_RANK))):
+            counts = kinds.setdefault(e.kind, {"data": 0, "digest_only": 0})
+            counts["data" if isinstance(e, TensorEntry) else "digest_only"] += 1
         raw = sum(t.nbytes(e) for e in t.entries)
         stored = t.storage_bytes()
         opened = t.path if t.path.exists() else t.path.with_name(t.path.name + ".parts")
@@ -133,4 +178,6 @@ def inspect_trace(path: str | os.PathLike) -> InspectResult:
             positions={r: sorted(ps) for r, ps in sorted(positions.items())},
             sizes={"raw_bytes": raw, "stored_bytes": stored, "file_bytes": _disk_bytes(str(opened)),
                    "ratio": raw / stored if stored else 0.0},
-            incomplete_reason=t.partial_reason, hit_findings=[a.finding for a in hits.values() if a.finding])
+            incomplete_reason=t.partial_reason, hit_findings=[a.finding for a in hits.values() if a.finding],
+            digest_only=len(digests), kinds=kinds,
+            keep=t.run.get("keep") if isinstance(t.run.get("keep"), dict) else None)

@@ -105,9 +105,11 @@ class Recordings:
     def get(self, name: str, mode: str, *extra: str) -> Path:
         if name not in self.done:
             out = self.root / f"{name}.h5"
+            # these tests read tensor data everywhere: keep all of it unless a test chooses a policy
+            keep = () if "--keep" in extra else ("--keep", "all")
             r = run_cli("record", "--model", str(self.model), "--block-size", "32",
                         "--enforce-eager", "--mode", mode, "-o", str(out), "--no-progress",
-                        "--overwrite", *PIN, *extra)
+                        "--overwrite", *PIN, *keep, *extra)
             assert r.returncode == 0, f"record {name} failed:\n{r.stderr[-3000:]}"
             self.done[name] = out
         return self.done[name]

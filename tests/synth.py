@@ -16,6 +16,12 @@ engine. The cold run records every block boundary up to each prompt's
 length; the hit run records the resumed states at the hit boundary, the
 two cached KV blocks before it, and everything computed after it.
 
+Keep policies (``write_trace(..., keep=...)``, digest-first recording): by
+default a trace holds data only, as traces before format version 3; with
+``keep`` every tensor also gets its summary (``statediff.trace.summary``)
+and only the tensors ``keep`` selects keep their data ("all", "none", or a
+callable of ``(request, position, layer, kind, role)``).
+
 Faults (``Fault(name, request, layer)``) change the hit run's resumed state
 of ``request`` at its hit boundary (or its KV blocks for "swap_kv"); the
 corruption then *propagates*: states the request computes afterwards are
@@ -34,6 +40,7 @@ import numpy as np
 from statediff.diff.diverge import shared_prefix
 from statediff.trace.dtypes import round_to_bf16
 from statediff.trace.schema import TensorEntry
+from statediff.trace.summary import summarize
 from statediff.trace.writer import TraceWriter
 
 BLOCK = 16
@@ -180,10 +187,25 @@ def run_meta(mode: str, replay: str = "default", **overrides) -> dict:
     return meta | overrides
 
 
+def _keeps(keep, request: int, position: int, layer: int, kind: str, role: str) -> bool:
+    if keep in ("all", None):
+        return True
+    if keep == "none":
+        return False
+    return bool(keep(request, position, layer, kind, role))
+
+
 def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_seed: int | None = None,
                 replay: str = "default", noise_from: int | None = None,
-                requests: dict[int, dict] | None = None, **run_overrides) -> Path:
+                requests: dict[int, dict] | None = None, keep=None, keep_run: dict | None = None,
+                **run_overrides) -> Path:
     """Write one synthetic trace ("hit" or "cold") and return its path.
+
+    ``keep`` None writes data only, no summaries (a trace as before format
+    version 3); "all", "none" or a callable ``(request, position, layer,
+    kind, role) -> bool`` writes every tensor's summary and the data of the
+    tensors it keeps (run key ``keep`` says which policy: "all", "none", or
+    "custom" for a callable; ``keep_run`` replaces that run record).
 
     ``noise_seed`` adds benign noise to every tensor of the requests from
     ``noise_from`` on (default: 1 in a hit run, where the first cache hit is:
@@ -196,6 +218,8 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
         noise_from = 1 if mode == "hit" else 0
     reqs, faults = scenario(), list(faults)
     bad_after, producer = _poison(reqs, faults) if mode == "hit" else ({}, {})
+    if keep_run is not None or keep is not None:
+        run_overrides["keep"] = keep_run or {"policy": keep if isinstance(keep, str) else "custom"}
     w = TraceWriter(path, run_meta(mode, replay, fault=[dataclasses.asdict(f) for f in faults] or None,
                                    **run_overrides))
     for r, req in enumerate(reqs):
@@ -214,9 +238,15 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
                         arr = clean(req.prompt[:p], layer, kind)
                     if noise_seed is not None and r >= noise_from:
                         arr = _benign(arr, kind, _rng("noise", noise_seed, r, p, layer, kind))
-                    w.add(arr, request=r, position=p, layer=layer, kind=kind, role=role,
-                          module=_module(layer), dtype="float32" if arr.dtype == np.float32 else "bfloat16",
-                          token_start=p - BLOCK if attn else p, step=r * 100 + p // BLOCK)
+                    dtype = "float32" if arr.dtype == np.float32 else "bfloat16"
+                    meta = dict(request=r, position=p, layer=layer, kind=kind, role=role, module=_module(layer),
+                                dtype=dtype, token_start=p - BLOCK if attn else p, step=r * 100 + p // BLOCK)
+                    if keep is None:
+                        w.add(arr, **meta)
+                    elif _keeps(keep, r, p, layer, kind, role):
+                        w.add(arr, summary=summarize(arr, dtype), **meta)
+                    else:
+                        w.add_digest(summarize(arr, dtype), shape=arr.shape, **meta)
             w.end_step()
         bad = mode == "hit" and r in bad_after
         out = list(req.output[:2]) + [7] * (len(req.output) - 2) if bad else list(req.output)
@@ -230,12 +260,12 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
 
 
 def write_pair(directory: str | Path, *, faults: list[Fault] = (), replay: str = "default",
-               noise_seed: int | None = None, hit_run: dict | None = None) -> tuple[Path, Path]:
-    """A hit trace and its cold trace under ``directory``; returns (hit, cold)."""
+               noise_seed: int | None = None, hit_run: dict | None = None, keep=None) -> tuple[Path, Path]:
+    """A hit trace and its cold trace under ``directory``, both with ``keep``; returns (hit, cold)."""
     d = Path(directory)
-    hit = write_trace(d / "hit.h5", "hit", faults=faults, noise_seed=noise_seed, replay=replay,
+    hit = write_trace(d / "hit.h5", "hit", faults=faults, noise_seed=noise_seed, replay=replay, keep=keep,
                       **(hit_run or {}))
-    cold = write_trace(d / "cold.h5", "cold", replay=replay)
+    cold = write_trace(d / "cold.h5", "cold", replay=replay, keep=keep)
     return hit, cold
 
 

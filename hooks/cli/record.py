@@ -131,7 +131,22 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
                    "ssm-bf16, ssm-nan, logits (outputs only, no captured state) or drafter-perturb (with "
                    "--speculative-config), optionally ':layer=N' and ':request=N'.")
 @click.option("--kv", type=click.Choice(["all", "none"]), default="all", show_default=True,
-              help="Record the K/V of every completed block, or none.")
+              help="Capture the K/V of every completed block, or none (not even digests).")
+@click.option("--keep", default="hits", show_default=True, metavar="hits|all|none|BYTES",
+              help="Which captured tensors keep their full data (every one gets a digest and summary "
+                   "either way). hits: at each cache hit, the resumed state, the K/V blocks on both sides "
+                   "of the boundary, the first checkpoint after it and the drafter rows of the next block; "
+                   "all: everything; none: digests only; BYTES (123456, 500MB, 2GiB): the hits selection "
+                   "within BYTES, other tensors within half of it.")
+@click.option("--focus", default=None, metavar="RESULT.json|request=R,position=P[,layers=L1/L2]",
+              help="Focused re-record of the same replay: full data only for request R around position P "
+                   "(one block either side, all layers or the listed ones, and the first checkpoint after "
+                   "P), digests elsewhere. RESULT.json: the output of `statediff compare --json` (its first "
+                   "root). Afterwards every digest is checked against the earlier trace of this --mode "
+                   "(named in RESULT.json, or --focus-check): exit 1 when the replay differs.")
+@click.option("--focus-check", type=click.Path(dir_okay=False), default=None, metavar="OLD.h5",
+              help="With --focus: the earlier trace of this --mode to check the replay against "
+                   "(default with RESULT.json: the trace it names for this mode).")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request of the built-in conversation.")
 @click.option("--sweep-boundaries", is_flag=True,
               help="Instead of a conversation, replay a boundary sweep (statediff/replay/sweep.py): prompts of "
@@ -156,7 +171,7 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 def record(conversation, output, mode, exact, exact_split, split_like, model, speculative_config, dtype,
            block_size, max_model_len, max_num_batched_tokens, enforce_eager, seed, engine_args, fault, kv, max_tokens,
            sweep_boundaries, sweep_blocks, engine, drafter, activations, overwrite, no_progress, engine_log,
-           mamba_ssm_cache_dtype, logprobs):
+           mamba_ssm_cache_dtype, logprobs, keep, focus, focus_check):
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent conversation)
     on a fresh vLLM engine and record a trace.
 
@@ -166,13 +181,23 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
     The engine's own output goes to OUTPUT.log; the terminal shows
     statediff's lines, a progress bar and warnings statediff does not know.
 
+    Every captured tensor gets a digest and a summary (moments, a sketch
+    that estimates the L2 error of a hit/cold pair); --keep decides which
+    also keep their data (--kv decides which K/V are captured at all).
+
+    Exit codes: 0 recorded; 1 a focused re-record (--focus) whose digests
+    differ from the earlier trace's (the new trace is written; the replay
+    is not the one that diverged); 2 error, before any engine starts where
+    the options or input are at fault.
+
     To record an unmodified program instead (an LLM(...) script or `vllm serve`),
-    install statediff next to vLLM and set STATEDIFF_TRACE=path.h5 in its environment.
+    install statediff next to vLLM and set STATEDIFF_TRACE=path.h5 in its environment
+    (STATEDIFF_KEEP and STATEDIFF_FOCUS as --keep and --focus).
     """
     from statediff.trace.writer import check_writable
     from statediff_hooks.faults import parse_fault
     from statediff_hooks.drivers.demo import demo_conversation
-    from statediff_hooks.precheck import check_model, fit_max_model_len, precheck
+    from statediff_hooks.precheck import check_focus, check_model, fit_max_model_len, precheck
     from statediff_hooks.vllm.replay import engine_kwargs, replay
 
     try:
@@ -181,6 +206,7 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         raise StatediffError(f"--fault: {e}") from None
     if sweep_boundaries and conversation:
         raise StatediffError("--sweep-boundaries generates the replay: give it or CONVERSATION, not both")
+    keep_spec, reference = keep_options(keep, focus, focus_check, mode=mode, output=output)
     check_writable(output, overwrite=overwrite)  # before the checks below: they take seconds
     turns = load_conversation(conversation) if conversation else demo_conversation(max_tokens)
     source = conversation or "builtin:demo"
@@ -191,11 +217,13 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         checked = precheck(turns, model_dir, source=source, max_model_len=max_model_len,
                            block_size=block_size, fit_length=engine == "vllm")
         model_files = checked.model
+        check_focus(keep_spec.focus, turns, checked.prompts, source)
     if engine == "transformers":
         return _record_transformers(turns, model_dir, output=output, mode=mode, exact=exact,
                                     exact_split=exact_split, fault=fault, drafter=drafter,
                                     block_size=block_size, overwrite=overwrite, kv=kv, seed=seed, dtype=dtype,
-                                    progress=not no_progress, conversation=conversation,
+                                    progress=not no_progress, conversation=conversation, keep=keep_spec,
+                                    reference=reference,
                                     unsupported={"--speculative-config": speculative_config,
                                                  "--sweep-boundaries": sweep_boundaries,
                                                  "--engine-arg": engine_args, "--activations": activations,
@@ -230,7 +258,8 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
                      overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
                      split_like=split_like, run_extra=run_extra, activations=activations,
-                     prompts=checked.prompts if checked else None, console=console, logprobs=logprobs)
+                     prompts=checked.prompts if checked else None, console=console, logprobs=logprobs,
+                     keep=keep_spec)
     form = "exact, one block per step" if exact else "exact, split form" if exact_split else "default"
     click.echo(f"recorded {len(turns)} requests ({mode}, {form} chunking, "
                f"block size {res.block_size}) to {output} in {res.seconds:.1f} s")
@@ -241,6 +270,88 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         click.echo("\n".join(summary(sweep, res.num_cached_tokens, mode)))
     click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
+    return _after_record(output, reference)
+
+
+def keep_options(keep: str, focus: str | None, focus_check: str | None, *, mode: str,
+                 output: str) -> tuple[Any, str | None]:
+    """``--keep``, ``--focus``, ``--focus-check`` checked before any engine starts.
+
+    Returns:
+        (``keep.KeepSpec``, the earlier trace to check a focused re-record against, or None).
+
+    Raises:
+        StatediffError: a bad size or policy, an unreadable or malformed RESULT.json, a bad
+            ``request=R,position=P`` form, ``--focus-check`` without ``--focus``, or an earlier
+            trace that is missing, not a trace, of the other mode, or the output itself.
+    """
+    from statediff.errors import TraceError
+    from statediff.trace import open_trace
+    from statediff_hooks.keep import KeepSpec, focus_from_compare, parse_focus_spec
+
+    target, reference = None, None
+    if focus_check and not focus:
+        raise StatediffError("--focus-check goes with --focus (it checks a focused re-record)")
+    if focus:
+        result = Path(focus)
+        if result.is_file() or "=" not in focus:
+            try:
+                doc = json.loads(result.read_text())
+            except OSError as e:
+                raise StatediffError(f"--focus {focus}: cannot read it ({e.strerror or e}); expected RESULT.json "
+                                     "or request=R,position=P[,layers=L1/L2]") from None
+            except ValueError as e:
+                raise StatediffError(f"--focus {focus}: not JSON ({e})") from None
+            try:
+                target, hit_path, cold_path = focus_from_compare(doc)
+            except ValueError as e:
+                raise StatediffError(f"--focus {focus}: {e}") from None
+            named = hit_path if mode == "hit" else cold_path
+            if named and not focus_check:
+                p = Path(named)
+                if not p.is_absolute() and not p.exists() and (result.parent / p).exists():
+                    p = result.parent / p  # compare ran elsewhere: relative to RESULT.json
+                reference = str(p)
+        else:
+            try:
+                target = parse_focus_spec(focus)
+            except ValueError as e:
+                raise StatediffError(f"--focus: {e}") from None
+    try:
+        spec = KeepSpec.parse(keep, target)
+    except ValueError as e:
+        raise StatediffError(str(e) if target is not None and "--focus" in str(e) else f"--keep {e}") from None
+    reference = focus_check or reference
+    if reference is not None:
+        if Path(reference).exists() and Path(output).exists() and Path(reference).samefile(output):
+            raise StatediffError(f"--focus-check {reference} is the output: write the re-record elsewhere")
+        try:
+            with open_trace(reference) as t:
+                ref_mode = t.run.get("mode")
+        except TraceError as e:
+            raise StatediffError(f"the earlier trace to check the replay against: {e}") from None
+        if ref_mode != mode:
+            raise StatediffError(f"{reference} is a {ref_mode}-mode trace; a --mode {mode} re-record is checked "
+                                 f"against the {mode}-mode trace (--focus-check OLD.h5)")
+    return spec, reference
+
+
+def _after_record(output: str, reference: str | None) -> int:
+    """What the keep policy kept; for a focused re-record, the digest check. Returns the exit code."""
+    from statediff.trace import open_trace
+    from statediff_hooks.keep import check_replay
+
+    with open_trace(output) as t:
+        k = t.run.get("keep") or {}
+    if k:
+        click.echo(f"  kept: {k.get('kept_tensors')} tensors with data ({k.get('kept_bytes', 0) / 1e6:.1f} MB "
+                   f"raw), {k.get('digest_only_tensors')} digest only (--keep {k.get('policy')}"
+                   + (f", focus {k['focus']}" if k.get("focus") else "") + ")")
+    if reference is None:
+        return 0
+    check = check_replay(output, reference)
+    click.echo(check.to_text())
+    return 0 if check.identical else 1
 
 
 @contextlib.contextmanager
@@ -262,7 +373,8 @@ def _engine_output(output: str, show: bool, *, progress: bool) -> Iterator[Any]:
 
 
 def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, fault, drafter, block_size,
-                         overwrite, kv, seed, dtype, progress, conversation, unsupported) -> None:
+                         overwrite, kv, seed, dtype, progress, conversation, unsupported, keep,
+                         reference) -> int:
     """`record --engine transformers`: hooks/transformers/adapter.py on the same trace format."""
     for opt, val in unsupported.items():
         if val:
@@ -274,7 +386,7 @@ def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, 
 
     res = record_transformers(turns, model_dir, trace=output, mode=mode, exact=exact, fault=fault,
                               drafter=drafter, block_size=block_size or 32, overwrite=overwrite, kv=kv,
-                              seed=seed, dtype=dtype, threads=1, progress=progress,
+                              seed=seed, dtype=dtype, threads=1, progress=progress, keep=keep,
                               run_extra={"conversation": conversation or "builtin:demo",
                                          "record_argv": record_argv(click.get_current_context())})
     click.echo(f"recorded {len(turns)} requests (transformers, {mode}, {'exact' if exact else 'default'} "
@@ -282,6 +394,7 @@ def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, 
     click.echo("\n".join(hit_lines(output, mode)))
     click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
+    return _after_record(output, reference)
 
 
 def hit_lines(trace: str, mode: str) -> list[str]:

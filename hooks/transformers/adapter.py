@@ -31,7 +31,9 @@ boundary (vLLM's mamba cache mode ``align``).
   (``statediff calibrate``) or replay exactly.
 
 What is recorded (trace keys ``(request, position, layer, kind)``, the same
-as ``vllm/v1.py``; states in vLLM's logical layout, see ``hf_cache``):
+as ``vllm/v1.py``; states in vLLM's logical layout, see ``hf_cache``; each
+tensor gets a summary, and its data when the keep policy keeps it,
+``statediff_hooks.keep``, through ``Recorder.tensor`` as in vLLM):
 
 - at a hit ``h``, after the restore (and a planted fault), before the first
   forward: each GDN layer's conv and SSM state (role ``resumed``), each
@@ -98,6 +100,7 @@ from statediff.errors import StatediffError
 from statediff_hooks.transformers import prefix_store as hf_cache
 from .dflash import Acceptance, DFlashProposer, build_tiny_dflash, drafter_digest, greedy_accepted, load_drafter
 from statediff_hooks.faults import FaultPlanter, FaultSpec, Site, parse_fault
+from statediff_hooks.keep import KeepSpec
 from statediff_hooks.recorder import Recorder, RecorderConfig
 
 __all__ = ["TransformersResult", "config_digest", "drafter_row_kept", "plan_chunks", "record_transformers",
@@ -522,7 +525,8 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
                         drafter: str | os.PathLike | None = None,
                         block_size: int = 32, overwrite: bool = False, kv: str = "all", seed: int = 0,
                         dtype: str = "bfloat16", threads: int | None = None,
-                        run_extra: dict | None = None, progress: bool = False) -> TransformersResult:
+                        run_extra: dict | None = None, progress: bool = False,
+                        keep: KeepSpec | None = None) -> TransformersResult:
     """Replay ``turns`` in order on a transformers hybrid model, recording to ``trace``.
 
     Args:
@@ -550,6 +554,8 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
             cores: 3 s vs 15-70 s for the same replay).
         run_extra: more run metadata.
         progress: a progress bar on stderr.
+        keep: which recorded tensors keep their data (``statediff_hooks.keep``; default
+            ``hits``); every one is summarized (``Recorder.tensor``).
 
     Returns:
         the result (tokens, hit lengths, acceptance, trace stats).
@@ -591,7 +597,8 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
     try:
         return _record(turns, str(model_dir), trace=trace, mode=mode, exact=exact, fault_spec=fault_spec,
                        drafter=drafter, block_size=block_size, overwrite=overwrite, kv=kv, seed=seed,
-                       dtype=dtype, torch_dtype=torch_dtype, run_extra=run_extra, progress=progress)
+                       dtype=dtype, torch_dtype=torch_dtype, run_extra=run_extra, progress=progress,
+                       keep=keep or KeepSpec())
     finally:
         torch.set_num_threads(old_threads)
 
@@ -599,7 +606,7 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
 def _record(turns: list[Turn], model_dir: str, *, trace: Any, mode: str, exact: bool,
             fault_spec: FaultSpec | None, drafter: Any, block_size: int, overwrite: bool,
             kv: str, seed: int, dtype: str, torch_dtype: torch.dtype, run_extra: dict | None,
-            progress: bool) -> TransformersResult:
+            progress: bool, keep: KeepSpec) -> TransformersResult:
     import transformers
 
     torch.set_flush_denormal(True)  # random weights: denormals make CPU matmuls 50-100x slower
@@ -650,7 +657,7 @@ def _record(turns: list[Turn], model_dir: str, *, trace: Any, mode: str, exact: 
     rec = None
     if trace is not None:
         rcfg = RecorderConfig(trace=str(trace), mode=mode, replay="exact" if exact else "default", kv=kv,
-                              fault=fault_spec, run_extra=dict(run_extra or {}), overwrite=overwrite)
+                              fault=fault_spec, run_extra=dict(run_extra or {}), overwrite=overwrite, keep=keep)
         rec = Recorder(rcfg, run)
     replay = _Replay(model, layers, mode=mode, exact=exact, block_size=block_size, rec=rec,
                      fault=fault_spec, kv=kv, drafter=draft_model, eos=_eos_ids(model, tokenizer))

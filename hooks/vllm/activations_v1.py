@@ -69,9 +69,10 @@ class ActivationHooks:
                 h = out[0] if len(out) < 2 or out[1] is None else out[0].float() + out[1].float()
             else:
                 h = out
-            for row, req, pos in self.rows:
-                self.cap.rec.tensor(h[row], request=req, position=pos, layer=layer, kind="hidden",
-                                    role="activation", module=f"model.layers.{layer}")
+            idx = torch.tensor([row for row, _, _ in self.rows], dtype=torch.long, device=h.device)
+            self.cap.rec.tensors(h.index_select(0, idx), [
+                dict(request=req, position=pos, layer=layer, kind="hidden", role="activation",
+                     module=f"model.layers.{layer}") for _, req, pos in self.rows])
         return hook
 
     def remove(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from statediff.replay.conversation import Turn
 from statediff.errors import StatediffError, first_line
 
+from ..keep import KeepSpec
 from ..recorder import RecorderConfig
 from . import plugin
 from .sched_v1 import EXACT_ENV, ExactReplayError, cold_salt
@@ -151,7 +152,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
            progress: bool = True, run_extra: dict | None = None,
            exact_split: bool = False, split_like: str | None = None,
            activations: bool = False, prompts: list[list[int]] | None = None,
-           console: Any = None, logprobs: int = 5) -> ReplayResult:
+           console: Any = None, logprobs: int = 5, keep: KeepSpec | None = None) -> ReplayResult:
     """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
 
     ``trace=None`` replays without recording (the no-perturbation baseline):
@@ -166,6 +167,10 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     token and its ``logprobs`` best alternatives (``SamplingParams.logprobs``;
     greedy tokens do not change); the runner's values are recorded (request
     datasets ``output_logprobs``, ``output_topk_*``), run metadata ``logprobs_k``.
+
+    ``keep``: which captured tensors keep their data (``statediff_hooks.keep``;
+    default ``hits``); every one is summarized. Passed to the engine as
+    ``STATEDIFF_KEEP`` / ``STATEDIFF_FOCUS``.
 
     Exact replay has two forms. ``exact``: one block per step in both runs,
     of the block size the engine runs with (read inside the started engine by
@@ -206,7 +211,7 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
     cfg = RecorderConfig(
         trace=trace or "", mode=mode, activations=activations, replay="exact" if exact or exact_split else "default", kv=kv,
-        fault=None, overwrite=overwrite,
+        fault=None, overwrite=overwrite, keep=keep or KeepSpec(),
         run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
                    "num_requests": len(turns),
                    "exact_form": "block" if exact else "split" if exact_split else None,

@@ -211,10 +211,10 @@ class SpecCapture:
     def _record(self, feats: list[torch.Tensor], picks: list[tuple[int, Any, int]]) -> None:
         idx = torch.tensor([g for g, _, _ in picks], dtype=torch.long, device=feats[0].device)
         for t, layer, module in zip(feats, self.layers, self.modules):
-            rows = t.index_select(0, idx).to("cpu")  # one gather and one copy per layer
-            for k, (_, sr, pos) in enumerate(picks):
-                self.rec.tensor(rows[k], request=sr.index, position=pos, layer=layer, kind=KIND,
-                                role=ROLE, module=module)
+            # one gather per layer; summaries on the device, host copies of the kept rows only
+            self.rec.tensors(t.index_select(0, idx), [
+                dict(request=sr.index, position=pos, layer=layer, kind=KIND, role=ROLE, module=module)
+                for _, sr, pos in picks])
 
     def _maybe_fault(self, sr: Any, feats: list[torch.Tensor], offset: int, verified: int) -> None:
         """``drafter-perturb``: negate one tapped layer's rows right after the first eligible hit."""

@@ -42,6 +42,9 @@ Every coupling to vLLM internals lives here. It mirrors, in vLLM 0.32.0:
 
 Reading only persistent cache memory between model steps works unchanged
 under CUDA graphs and torch.compile; nothing here hooks activations.
+Every tensor read goes through ``Recorder.tensor``/``tensors``: summarized
+where it lives (a few hundred bytes per tensor cross to the host), copied to
+host only when the keep policy (``statediff_hooks.keep``) keeps its data.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ import torch
 
 from statediff.trace.schema import MAX_LOGPROBS_K
 
-from ..digest import digest_rows
 from ..faults import FaultPlanter, Site
 from ..recorder import Recorder, layer_index
 from .faults_v1 import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow
@@ -175,6 +177,38 @@ def kv_blocks(cache: torch.Tensor, backend: str, block_ids: torch.Tensor) -> tup
 
 
 DIGEST_BATCH_BYTES = 64 << 20  # K/V bytes gathered per digest batch at a hit (device memory)
+
+
+class Batch:
+    """Tensors read in one step, summarized a group at a time (``Recorder.tensors``).
+
+    Tensors of the same dtype and shape are stacked, up to ``DIGEST_BATCH_BYTES``
+    per stack: one summary pass per group instead of one per tensor (on a GPU
+    the op count, ~15 ops per pass, dominates the cost of small tensors). The
+    stack is a copy taken now, before the engine's next step can overwrite the cache.
+    """
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.groups: dict[tuple, tuple[list[torch.Tensor], list[dict]]] = {}
+
+    def add(self, t: torch.Tensor, **key: Any) -> None:
+        g = self.groups.setdefault((t.dtype, tuple(t.shape), t.device), ([], []))
+        g[0].append(t)
+        g[1].append(key)
+        if len(g[0]) * t.numel() * t.element_size() >= DIGEST_BATCH_BYTES:
+            self._emit(*g)
+            g[0].clear()
+            g[1].clear()
+
+    def _emit(self, ts: list[torch.Tensor], keys: list[dict]) -> None:
+        if ts:
+            self.rec.tensors(torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0), list(keys))
+
+    def flush(self) -> None:
+        for g in self.groups.values():
+            self._emit(*g)
+        self.groups.clear()
 
 
 class V1Capture:
@@ -322,6 +356,7 @@ class V1Capture:
         req = self.runner.requests.get(sr.req_id)
         if req is None:
             return
+        batch = Batch(self.rec)  # every layer's states of a kind in one summary pass (GPU: fewer ops)
         for li in self.gdn:
             if end % li.block_size == 0 and end > 0:
                 bid = req.block_ids[li.group][end // li.block_size - 1]
@@ -329,25 +364,30 @@ class V1Capture:
                 if sr.req_id in self.tokens and self._fault_layer(li):
                     self.earlier.keep(self.tokens[sr.req_id][:end], li.layer, ssm[bid])
                 for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
-                    self.rec.tensor(t[bid], request=sr.index, position=end, layer=li.layer,
-                                    kind=kind, role="checkpoint", module=li.name, block=bid)
+                    batch.add(t[bid], request=sr.index, position=end, layer=li.layer,
+                              kind=kind, role="checkpoint", module=li.name, block=bid)
         limit = min(end, sr.prompt_len) if self.spec else end
         for li in self.attn:
             bs = li.block_size
             first = sr.start // bs  # blocks completed in this step
             for k in range(first, limit // bs):
-                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, (k + 1) * bs)
+                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, (k + 1) * bs, batch=batch)
             if end == sr.prompt_len and sr.prompt_len % bs and sr.start < sr.prompt_len:
                 k = sr.prompt_len // bs  # the partial block holding the prompt's tail
-                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, sr.prompt_len)
+                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, sr.prompt_len, batch=batch)
+        batch.flush()
 
     def _read_kv(self, sr: StepReq, li: LayerInfo, bid: int, start: int, end: int,
-                 role: str = "kv_block") -> None:
+                 role: str = "kv_block", batch: "Batch | None" = None) -> None:
         k, v = kv_block(self.ctx[li.name].kv_cache, li.backend, bid)
         rows = end - start
         for kind, t in (("attn.k", k), ("attn.v", v)):
-            self.rec.tensor(t[:, :rows], request=sr.index, position=end, layer=li.layer, kind=kind,
-                            role=role, module=li.name, token_start=start, block=bid)
+            key = dict(request=sr.index, position=end, layer=li.layer, kind=kind,
+                       role=role, module=li.name, token_start=start, block=bid)
+            if batch is not None:
+                batch.add(t[:, :rows], **key)
+            else:
+                self.rec.tensor(t[:, :rows], **key)
 
     def _hit_block_table(self, sr: StepReq) -> list[list[int]]:
         """Record the hit request's block table rows, as the runner holds them and as allocated.
@@ -372,35 +412,33 @@ class V1Capture:
         return runner_rows
 
     def _hit_kv(self, sr: StepReq, runner_rows: list[list[int]]) -> None:
-        """At a hit, through the runner's block table: the last cached block in full, digests before it.
+        """At a hit, through the runner's block table: every cached block of every attention layer.
 
-        Logical block ``j = hit // bs - 1`` (tokens ``[hit - bs, hit)``) is
-        recorded whole, role ``resumed``; logical blocks ``0 .. j-1`` as
-        digests (``/digests``, role ``resumed``), computed on the device in
-        batches of about ``DIGEST_BATCH_BYTES``: a few bytes per block cross
-        to the host, not the prefix.
+        Logical blocks ``0 .. j`` (``j = hit // bs - 1``; block ``b`` holds tokens
+        ``[b * bs, (b + 1) * bs)``), role ``resumed``, read in batches of about
+        ``DIGEST_BATCH_BYTES`` and summarized on the device (one transfer per
+        batch: a few hundred bytes per block cross to the host, not the prefix).
+        The last block ``j`` is recorded like any tensor (the keep policy keeps
+        it under ``hits``); blocks before it are copies of what earlier requests
+        recorded (``copy=True``: data only under a focus).
         """
         for li in self.attn:
             bs = li.block_size
             if sr.hit < bs:
                 continue
             phys = runner_rows[li.group]
-            j = len(phys) - 1
-            self._read_kv(sr, li, phys[j], sr.hit - bs, sr.hit, role="resumed")
-            if j == 0:
-                continue
+            n = len(phys)
             cache = self.ctx[li.name].kv_cache
             block_bytes = cache[0].numel() * cache.element_size() // 2  # K (or V) of one block
             per = max(1, DIGEST_BATCH_BYTES // max(block_bytes, 1))
-            for b0 in range(0, j, per):
-                ids = phys[b0:min(j, b0 + per)]
+            for b0 in range(0, n, per):
+                ids = phys[b0:min(n, b0 + per)]
                 k, v = kv_blocks(cache, li.backend, torch.tensor(ids, dtype=torch.long, device=cache.device))
                 for kind, t in (("attn.k", k), ("attn.v", v)):
-                    for i, (bid, dig) in enumerate(zip(ids, digest_rows(t))):
-                        lb = b0 + i
-                        self.rec.digest(dig, t[i], request=sr.index, position=(lb + 1) * bs,
-                                        token_start=lb * bs, layer=li.layer, kind=kind, role="resumed",
-                                        module=li.name, block=bid)
+                    self.rec.tensors(t, [dict(request=sr.index, position=(lb + 1) * bs, token_start=lb * bs,
+                                              layer=li.layer, kind=kind, role="resumed", module=li.name,
+                                              block=bid, copy=lb < n - 1)
+                                         for lb, bid in enumerate(ids, start=b0)])
 
     # -- planted faults (faults.py; vLLM targets in faults_v1.py) ------------
 

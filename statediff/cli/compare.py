@@ -33,6 +33,11 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     float32 atol 1e-5 rtol 1e-4, float16 1e-3/5e-3, bfloat16 1e-2/2e-2,
     integers exact), reports the first divergence in causal order, its
     propagated consequences and what the wrong tensor matches instead.
+    A pair with no data on a side (record --keep hits/none) is judged from
+    the recorded summaries: digests, NaN/Inf counts and, in default replay,
+    the sketch's estimate of the L2 error against the tolerance; when the
+    root has no data, the report prints the two 'statediff record --focus'
+    commands that record it (--json: "focus" and "focus_commands").
     Exit 0 no divergence, 1 divergence, 2 error.
 
     'statediff compare BUNDLE.zip' compares the two traces of a bundle

@@ -96,6 +96,10 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
         if diverged_tokens:
             warnings.append(f"{diverged_tokens} pairs skipped: their token prefixes differ between the runs "
                             "(greedy outputs diverged earlier)")
+        n_digest = len(a.digests) + len(b.digests)
+        if n_digest:  # an envelope is a max abs error: it needs values, which a summary does not hold
+            warnings.append(f"{n_digest} tensors recorded as a digest only (no data) were not calibrated: "
+                            "record both cold runs with --keep all to calibrate them")
         n_unpaired = len(plan.hit_only) + len(plan.cold_only)
         if n_unpaired:
             warnings.append(f"{n_unpaired} tensors had no counterpart and were not calibrated")

@@ -5,7 +5,9 @@ identity and replay mode: ``align.check_comparable``; effective scheduling:
 ``align.check_scheduling``) -> choose the tolerance policy -> pair by key,
 digest-only rows included (``align.align``) -> judge each pair both runs
 reached with the same tokens (hash first, streamed float64 compare only
-where hashes differ, digests for digest-only blocks); pairs past the point
+where hashes differ; a pair with no data on a side by the two summaries:
+digest, NaN/Inf counts, then the sketch's L2 estimate against the
+tolerance); pairs past the point
 where a request's token streams part are listed, not judged -> root vs
 propagated (``diverge.classify``), then the frozen ``Divergence`` records ->
 refuse runs whose first difference lies before any cache hit -> outputs
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -28,16 +31,18 @@ from tqdm import tqdm
 from statediff.errors import MismatchError, NotComparableError, StatediffError
 from statediff.replay.hits import account_run
 from statediff.trace.reader import Trace, open_trace
+from statediff.trace.schema import DigestEntry
+from statediff.trace.summary import Summary, estimate_l2, l2_budget
 
 from .align import (Entry, Pair, Plan, StreamPart, align, both_exact, check_comparable, check_scheduling,
                     stream_part)
-from .diagnose import DigestCache, diagnose, diagnose_digest, match_block
+from .diagnose import DigestCache, diagnose, has_data, match_block
 from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .noise import DEFAULT_FACTOR, load_noise
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
-                     InputsDiffer, RequestRow, TraceSide, Unpaired)
+                     InputsDiffer, RequestRow, SketchJudgement, TraceSide, Unpaired)
 from .tolerance import Policy, Rule, Tolerance, parse_rule
 
 MAX_DIAGNOSED = 5
@@ -143,7 +148,9 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
                                        tuple(f"{p.cold.label()} [{p.hit.role}]"
                                              for p in judged.inputs_differ[:max_listed])),
             digests=DigestSummary(judged.digest_pairs, judged.digest_identical, len(judged.unjudged),
-                                  tuple(p.cold.label() for p in judged.unjudged[:MAX_UNPAIRED_LISTED])),
+                                  tuple(p.cold.label() for p in judged.unjudged[:MAX_UNPAIRED_LISTED]),
+                                  by_digest=judged.digest_by_digest, by_estimate=judged.digest_by_estimate,
+                                  beyond_estimate=judged.digest_beyond_estimate),
             block_tables=_block_tables(traces), outside_capture=_outside_capture(hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete)
 
@@ -157,6 +164,7 @@ class _Found:
     metrics: PairMetrics | None
     reason: str
     digests: tuple[str, str] | None = None
+    sketch: SketchJudgement | None = None
 
     @property
     def request(self) -> int:
@@ -184,6 +192,9 @@ class _Judging:
     inputs_differ: list[Pair[Entry]] = dataclasses.field(default_factory=list)
     digest_pairs: int = 0
     digest_identical: int = 0
+    digest_by_digest: int = 0  # judged by digest (equal, or differing where that decides) or layout
+    digest_by_estimate: int = 0  # judged by the sketch estimate against the tolerance
+    digest_beyond_estimate: int = 0
     unjudged: list[Pair[Entry]] = dataclasses.field(default_factory=list)
 
 
@@ -203,20 +214,19 @@ def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, Str
             break
         j.judged += 1
         tol = policy.for_pair(p.hit, c)
+        if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
+            j.no_envelope += 1
         if p.digest_only:
             f = _judge_digest(p, traces, tol, digests, j)
         else:
-            f = _judge_values(p, hit, cold, tol, policy, j)
+            f = _judge_values(p, hit, cold, tol, j)
         if f is not None:
             j.found.append(f)
     return j
 
 
-def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, policy: Policy,
-                  j: _Judging) -> _Found | None:
+def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, j: _Judging) -> _Found | None:
     c = p.cold
-    if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
-        j.no_envelope += 1
     m = measure_pair(hit, p.hit, cold, c, tol) if p.same_shape else None
     if m is not None and m.identical:
         j.identical += 1
@@ -233,25 +243,73 @@ def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, polic
 
 def _judge_digest(p: Pair[Entry], traces: Pair[Trace], tol: Tolerance, digests: DigestCache,
                   j: _Judging) -> _Found | None:
-    """A digest-only pair: equal digests are bit-identical; a differing one is a divergence when
-    bit identity is expected, or when the hit block equals another cold block bit for bit (no
-    rounding does that); otherwise it cannot be judged (default replay) and is listed as unjudged."""
+    """A pair with no data on at least one side, judged by the two tensors' summaries
+    (``statediff.trace.summary``; the side with data gives its recorded summary, or one computed
+    from its data in traces older than format version 3).
+
+    Equal digests are bit-identical. A differing NaN/Inf count diverges. Otherwise, when bit
+    identity is expected, a differing digest diverges; else the sketches estimate the L2 norm of
+    the difference, which diverges when even the low end of its 99% interval exceeds the
+    largest L2 norm the pair's elementwise tolerance allows (``l2_budget``), and is within
+    otherwise. Without summaries on both sides (a version-2 digest row) a differing digest
+    diverges when bit identity is expected, or when the hit block equals another cold block bit
+    for bit (no rounding does that); otherwise it cannot be judged and is listed as unjudged."""
     c = p.cold
     j.digest_pairs += 1
     if not p.same_layout:
+        j.digest_by_digest += 1
         j.scores.append((c.request, c.position, c.layer, c.kind, float("inf"), None, None))
         return _Found(p, tol, None, "dtype/shape differ")
-    hd, cd = digests.of(traces.hit, p.hit), digests.of(traces.cold, p.cold)
+    known = Pair(digests.known(traces.hit, p.hit), digests.known(traces.cold, c))
+    sums = None
+    if known.hit is None or known.hit != known.cold:  # equal recorded digests need nothing more
+        sums = _summaries(p, traces, digests)
+        known = Pair(digests.of(traces.hit, p.hit), digests.of(traces.cold, c)) if sums is None else Pair(
+            sums.hit.digest, sums.cold.digest)
+    hd, cd = known
     if hd == cd:
         j.identical += 1
         j.digest_identical += 1
+        j.digest_by_digest += 1
         j.scores.append((c.request, c.position, c.layer, c.kind, 0.0, None, None))
         return None
-    if tol.exact or match_block(p, traces.hit, traces.cold, digests, nearest=NEIGHBOUR_BLOCKS) is not None:
-        j.scores.append((c.request, c.position, c.layer, c.kind, float("inf"), None, None))
-        return _Found(p, tol, None, "digest differs", (hd, cd))
-    j.unjudged.append(p)
+    est = None if sums is None else estimate_l2(sums.hit, sums.cold)
+    if est is None:  # no summary (or no sketch) on a side: digests only, as in format version 2
+        if tol.exact or match_block(p, traces.hit, traces.cold, digests, nearest=NEIGHBOUR_BLOCKS) is not None:
+            j.digest_by_digest += 1
+            j.scores.append((c.request, c.position, c.layer, c.kind, float("inf"), None, None))
+            return _Found(p, tol, None, "digest differs", (hd, cd))
+        j.unjudged.append(p)
+        return None
+    budget = l2_budget(tol.atol, tol.rtol, c.numel, est.norm_cold)
+    sketch = SketchJudgement(est, budget, _counts(sums.hit), _counts(sums.cold))
+    severity = est.l2 / budget if budget > 0 else math.inf
+    j.scores.append((c.request, c.position, c.layer, c.kind, severity, None, est.rel_l2))
+    if sketch.nonfinite_differ:
+        j.digest_by_digest += 1
+        return _Found(p, tol, None, "NaN/Inf on one side only", (hd, cd), sketch)
+    if tol.exact:
+        j.digest_by_digest += 1
+        return _Found(p, tol, None, "digest differs", (hd, cd), sketch)
+    j.digest_by_estimate += 1
+    if est.low > budget:
+        j.digest_beyond_estimate += 1
+        return _Found(p, tol, None, "beyond tolerance (sketch estimate)", (hd, cd), sketch)
     return None
+
+
+def _summaries(p: Pair[Entry], traces: Pair[Trace], digests: DigestCache) -> Pair[Summary] | None:
+    """Both sides' summaries, or None when a digest-only side has none (a version-2 row: then the
+    side with data is not summarised, which would read it for nothing)."""
+    if any(isinstance(e, DigestEntry) and e.summary is None for e in p):
+        return None
+    sums = Pair(digests.summary(traces.hit, p.hit), digests.summary(traces.cold, p.cold))
+    return None if sums.hit is None or sums.cold is None else sums
+
+
+def _counts(s: Summary) -> tuple[int, int]:
+    """(NaN count, Inf count) of a summary (-1: unknown)."""
+    return (s.n_nan, s.n_inf)
 
 
 def _divergences(found: list[_Found], verdicts) -> list[Divergence]:
@@ -269,20 +327,19 @@ def _divergences(found: list[_Found], verdicts) -> list[Divergence]:
             layout_cold=f"{c.dtype} {c.shape}", reason=f.reason, tolerance=f.tol, metrics=f.metrics,
             root=v.root, root_key=None if v.root else found[v.root_index].pair.key, via=v.via,
             propagated=n[i] if v.root else 0, propagated_same_request=n_same[i] if v.root else 0,
-            digests=f.digests))
+            digests=f.digests, sketch=f.sketch,
+            data=(has_data(h), has_data(c))))
     return out
 
 
 def _diagnose(found: list[_Found], divs: list[Divergence], traces: Pair[Trace], policy: Policy,
               digests: DigestCache) -> list:
-    """Diagnoses of the first ``MAX_DIAGNOSED`` roots that have something to search with."""
+    """Diagnoses of the first ``MAX_DIAGNOSED`` roots that have something to search with
+    (a root whose dtype or shape differs between the runs has not)."""
     out = []
     roots = [(f, d) for f, d in zip(found, divs) if d.root and (d.metrics is not None or d.digests is not None)]
     for f, d in roots[:MAX_DIAGNOSED]:
-        if d.digests is not None:
-            g = diagnose_digest(f.pair, traces.hit, traces.cold, digests)
-        else:
-            g = diagnose(f.pair, traces.hit, traces.cold, policy)
+        g = diagnose(f.pair, traces.hit, traces.cold, policy, digests)
         if g is not None:
             out.append(g)
     return out

@@ -3,23 +3,27 @@
 For a root divergence, the cold trace is searched for what the hit tensor
 does equal, cheapest checks first:
 
-1. all zeros, from the hit tensor's fingerprint ("never written / zeroed");
-2. bit-identical (equal fingerprint hash) to a cold tensor of the same
-   layer, kind, dtype and shape: the same request at another position
-   (nearest first), another request at the same position, then any other;
-3. for float32 tensors, the cold counterpart rounded to bfloat16;
-4. within tolerance of a same-shaped candidate of step 2's first two groups
-   (at most ``MAX_FULL_COMPARES`` full reads).
+1. all zeros, from the hit tensor's fingerprint or summary ("never written / zeroed");
+2. bit-identical to a cold tensor of the same layer, kind, dtype and shape,
+   with or without data (equal fingerprint hash between two tensors with
+   data, else equal digests): the same request at another position (nearest
+   first), another request at the same position, then any other;
+3. the cold counterpart rounded to bfloat16: the hit digest equals the cold
+   summary's ``digest_bf16`` (format version 3), or, for float32 tensors
+   with data on both sides and no summary, the rounded cold data equals the hit data;
+4. within tolerance of a same-shaped candidate with data of step 2's first
+   two groups (at most ``MAX_FULL_COMPARES`` full reads; needs the hit data).
+
+Steps 1-3 are exact matches and need no data when both traces carry
+summaries (``/digests`` rows, version 3): a root recorded as a digest only
+gets the same findings 1-3 as one with data. Without summaries (version 1
+and 2 traces) digests are computed from the data on demand (``DigestCache``,
+cold reads bounded by ``MAX_DIGEST_SEARCH_BYTES``).
 
 Candidates are cold tensors only; the pair's own cold counterpart is not
 one (it is the tensor that differs). For K/V blocks the finding also names
 the logical blocks: "the block read as logical block j holds the cold
 run's block j-1".
-
-A digest-only block (``/digests``: no data, only its digest) is diagnosed
-by digest (``diagnose_digest``): all zeros, then the cold blocks of the same
-request, layer and kind, nearest first, digested on demand
-(``DigestCache``), bit for bit only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from statediff.trace.digest import digest_array
 from statediff.trace.dtypes import round_to_bf16, storage_dtype, to_float
 from statediff.trace.reader import Trace
 from statediff.trace.schema import DigestEntry, TensorEntry
+from statediff.trace.summary import Summary, summarize
 
 from .align import Entry, Pair
 from .metrics import compare_arrays
@@ -40,7 +45,7 @@ from .tolerance import Policy
 
 MAX_FULL_COMPARES = 32
 MAX_READ_BYTES = 64 << 20  # no full-read checks on tensors larger than this
-MAX_DIGEST_SEARCH_BYTES = 256 << 20  # cold data read to digest candidate blocks, per searched block
+MAX_DIGEST_SEARCH_BYTES = 256 << 20  # cold data read to digest candidate tensors, per diagnosed root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,14 +123,23 @@ def _finding(e: Entry, m: Entry, exact: bool, block_size: int | None) -> Diagnos
                      m.position - e.position, text)
 
 
-def _candidates(pair: Pair, cold: Trace) -> tuple[list[TensorEntry], list[TensorEntry], list[TensorEntry]]:
+def has_data(e: Entry) -> bool:
+    """The trace holds the tensor's data (an index entry), not only its digest row."""
+    return isinstance(e, TensorEntry)
+
+
+def _candidates(pair: Pair[Entry], cold: Trace) -> tuple[list[Entry], list[Entry], list[Entry]]:
+    """Cold tensors (with data or digest only) of the hit tensor's layer, kind, dtype and shape:
+    (same request, nearest position first and earlier before later; other requests at the same
+    position; any other), the pair's own cold counterpart left out."""
     h, c = pair.hit, pair.cold
     same_req, same_pos, other = [], [], []
-    for e in cold.entries:
-        if (e.layer, e.kind, e.dtype, e.shape) != (h.layer, h.kind, h.dtype, h.shape) or e.dataset == c.dataset:
+    for e in [*cold.entries, *getattr(cold, "digests", ())]:
+        if (e.layer, e.kind, e.dtype, e.shape) != (h.layer, h.kind, h.dtype, h.shape) or e is c:
             continue
         if e.request == h.request:
-            same_req.append(e)
+            if e.position != h.position:
+                same_req.append(e)
         elif e.position == h.position:
             same_pos.append(e)
         else:
@@ -140,55 +154,28 @@ def _is_zero(e: TensorEntry) -> bool:
     return e.numel > 0 and e.n_nan == 0 and e.n_inf == 0 and e.sumsq == 0.0
 
 
-def diagnose(pair: Pair, hit: Trace, cold: Trace, policy: Policy) -> Diagnosis | None:
-    """Search the cold trace for what the hit tensor of a root pair matches.
-
-    Args:
-        pair: the root divergence (same dtype and shape on both sides).
-        hit, cold: the open traces the pair came from.
-        policy: tolerances for the within-tolerance search.
-    Returns:
-        the first finding (order in the module docstring), or None.
-    Raises:
-        TraceError: a tensor needed for a full compare is unreadable.
-    """
-    h = pair.hit
-    block_size = cold.run.get("block_size") if isinstance(cold.run.get("block_size"), int) else None
-    where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
-    if _is_zero(h):
-        return Diagnosis(h.request, h.position, h.layer, h.kind, "zeros", True, None, None, None,
-                         f"{where} is all zeros: never written / zeroed")
-    same_req, same_pos, other = _candidates(pair, cold)
-    for cand in same_req + same_pos + other:
-        if cand.hash == h.hash:
-            return _finding(h, cand, True, block_size)
-    if hit.nbytes(h) > MAX_READ_BYTES:
-        return None
-    hit_data = hit.read(h)
-    if h.dtype == "float32" and pair.cold.dtype == "float32":
-        rounded = round_to_bf16(to_float(cold.read(pair.cold), "float32"))
-        if np.array_equal(rounded.view(np.uint32), hit_data.view(np.uint32)):
-            return Diagnosis(h.request, h.position, h.layer, h.kind, "bf16_rounded", True,
-                             pair.cold.request, pair.cold.position, 0,
-                             f"{where} matches the cold {_noun(h.kind)} rounded to bfloat16")
-    if policy.for_pair(h, pair.cold).exact or not pair.same_dtype:
-        return None  # within tolerance == bit identity: hashes said no (or nothing of the cold dtype to try)
-    for cand in (same_req + same_pos)[:MAX_FULL_COMPARES]:
-        if compare_arrays(hit_data, cold.read(cand), h.dtype, policy.for_entry(cand)).within:
-            return _finding(h, cand, False, block_size)
-    return None
-
-
 class DigestCache:
-    """Block digests (``statediff.trace.digest``) of trace tensors, computed once each.
+    """Digests and summaries (``statediff.trace.summary``) of trace tensors, computed once each.
 
-    A ``DigestEntry`` carries its digest; a ``TensorEntry`` is read in full
-    (storage form) and digested on first use. ``bytes_read`` counts what was read.
+    A digest row carries its digest (and, from format version 3, its
+    summary); so does an index entry whose writer recorded a summary. Any
+    other index entry is read in full (storage form) on first use and
+    digested or summarised; ``bytes_read`` counts what was read.
     """
 
     def __init__(self) -> None:
         self._done: dict[tuple[int, str], str] = {}
+        self._summaries: dict[tuple[int, str], Summary] = {}
         self.bytes_read = 0
+
+    def known(self, trace: Trace, e: Entry) -> str | None:
+        """The digest of ``e`` if it costs no read (a recorded one, or one computed before), else None."""
+        if isinstance(e, DigestEntry):
+            return e.digest_value
+        summary = getattr(e, "summary", None)
+        if summary is not None:
+            return summary.digest
+        return self._done.get((id(trace), e.dataset))
 
     def of(self, trace: Trace, e: Entry) -> str:
         """The digest of ``e`` (32 lowercase hex digits).
@@ -196,17 +183,134 @@ class DigestCache:
         Raises:
             TraceError: the tensor is unreadable.
         """
-        if isinstance(e, DigestEntry):
-            return e.digest
+        d = self.known(trace, e)
+        if d is not None:
+            return d
         key = (id(trace), e.dataset)
-        if key not in self._done:
-            self.bytes_read += trace.nbytes(e)
-            self._done[key] = digest_array(trace.read(e))
+        self.bytes_read += trace.nbytes(e)
+        self._done[key] = digest_array(trace.read(e))
         return self._done[key]
+
+    def summary(self, trace: Trace, e: Entry) -> Summary | None:
+        """The summary of ``e``: the recorded one; for an index entry without one (a trace older
+        than format version 3) computed from its data (``summarize``); None for a digest row
+        without one (version 2: digest only).
+
+        Raises:
+            TraceError: the tensor is unreadable.
+        """
+        recorded = getattr(e, "summary", None)
+        if recorded is not None or isinstance(e, DigestEntry):
+            return recorded
+        key = (id(trace), e.dataset)
+        if key not in self._summaries:
+            self.bytes_read += trace.nbytes(e)
+            s = summarize(trace.read(e), e.dtype)
+            self._summaries[key] = s
+            self._done[key] = s.digest
+        return self._summaries[key]
 
 
 def _zeros_digest(e: Entry) -> str:
     return digest_array(np.zeros(e.shape, storage_dtype(e.dtype)))
+
+
+def is_zeros(e: Entry, trace: Trace, digests: DigestCache) -> bool:
+    """Every element of ``e`` is zero: from its index moments, its summary, or (a version-2 digest
+    row) its digest against the digest of zeros. Reads no data."""
+    if math.prod(e.shape) == 0:
+        return False
+    if isinstance(e, TensorEntry):
+        return _is_zero(e)
+    summary = getattr(e, "summary", None)
+    if summary is not None and summary.known_moments:
+        return summary.is_zero
+    d = digests.known(trace, e)
+    return d is not None and d == _zeros_digest(e)
+
+
+def _bit_equal(h: Entry, hit: Trace, c: Entry, cold: Trace, digests: DigestCache, budget: list[int]) -> bool:
+    """``h`` equals ``c`` bit for bit: fingerprint hashes when both have data, else digests.
+    A cold tensor without a recorded digest is read only while ``budget[0]`` bytes remain."""
+    if isinstance(h, TensorEntry) and isinstance(c, TensorEntry):
+        return h.hash == c.hash
+    want = digests.of(hit, h)
+    got = digests.known(cold, c)
+    if got is None:
+        if cold.nbytes(c) > budget[0]:
+            return False
+        budget[0] -= cold.nbytes(c)
+        got = digests.of(cold, c)
+    return got == want
+
+
+def _zeros(h: Entry) -> Diagnosis:
+    where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
+    return Diagnosis(h.request, h.position, h.layer, h.kind, "zeros", True, None, None, None,
+                     f"{where} is all zeros: never written / zeroed")
+
+
+def _bf16(pair: Pair[Entry], hit: Trace, cold: Trace, digests: DigestCache) -> bool:
+    """The hit tensor is the cold counterpart rounded to bfloat16 (stored back in its own dtype):
+    by digests when the cold side has a summary, else from the data of two float32 tensors."""
+    h, c = pair
+    summary = getattr(c, "summary", None)
+    if summary is not None and pair.same_layout:
+        return bool(summary.digest_bf16) and digests.of(hit, h) == summary.digest_bf16
+    if not (isinstance(h, TensorEntry) and isinstance(c, TensorEntry)):
+        return False
+    if h.dtype != "float32" or c.dtype != "float32" or cold.nbytes(c) > MAX_READ_BYTES:
+        return False
+    rounded = round_to_bf16(to_float(cold.read(c), "float32"))
+    return np.array_equal(rounded.view(np.uint32), hit.read(h).view(np.uint32))
+
+
+def diagnose(pair: Pair[Entry], hit: Trace, cold: Trace, policy: Policy,
+             digests: DigestCache | None = None) -> Diagnosis | None:
+    """Search the cold trace for what the hit tensor of a root pair matches.
+
+    Args:
+        pair: the root divergence (same dtype and shape on both sides); either
+            side may be a digest row (no data).
+        hit, cold: the open traces the pair came from.
+        policy: tolerances for the within-tolerance search.
+        digests: digests computed so far (shared with the judging); a new cache when None.
+    Returns:
+        the first finding (order in the module docstring), or None.
+    Raises:
+        TraceError: a tensor that had to be read is unreadable.
+    """
+    digests = DigestCache() if digests is None else digests
+    h = pair.hit
+    block_size = cold.run.get("block_size") if isinstance(cold.run.get("block_size"), int) else None
+    if is_zeros(h, hit, digests):
+        return _zeros(h)
+    same_req, same_pos, other = _candidates(pair, cold)
+    budget = [MAX_DIGEST_SEARCH_BYTES]
+    for cand in same_req + same_pos + other:
+        if _bit_equal(h, hit, cand, cold, digests, budget):
+            return _finding(h, cand, True, block_size)
+    if not isinstance(h, TensorEntry) or hit.nbytes(h) > MAX_READ_BYTES:
+        # no hit data: only exact matches (digests) can be searched
+        return _rounded(pair) if _bf16(pair, hit, cold, digests) else None
+    if _bf16(pair, hit, cold, digests):
+        return _rounded(pair)
+    if policy.for_pair(h, pair.cold).exact or not pair.same_dtype:
+        return None  # within tolerance == bit identity: hashes said no (or nothing of the cold dtype to try)
+    hit_data = hit.read(h)
+    withdata = [e for e in same_req + same_pos if isinstance(e, TensorEntry)]
+    for cand in withdata[:MAX_FULL_COMPARES]:
+        if compare_arrays(hit_data, cold.read(cand), h.dtype, policy.for_entry(cand)).within:
+            return _finding(h, cand, False, block_size)
+    return None
+
+
+def _rounded(pair: Pair[Entry]) -> Diagnosis:
+    h = pair.hit
+    where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
+    return Diagnosis(h.request, h.position, h.layer, h.kind, "bf16_rounded", True,
+                     pair.cold.request, pair.cold.position, 0,
+                     f"{where} matches the cold {_noun(h.kind)} rounded to bfloat16")
 
 
 def match_block(pair: Pair[Entry], hit: Trace, cold: Trace, digests: DigestCache,
@@ -214,48 +318,12 @@ def match_block(pair: Pair[Entry], hit: Trace, cold: Trace, digests: DigestCache
     """The cold block of the same request, layer, kind, dtype and shape, at another position,
     whose digest equals the hit block's (nearest position first, earlier before later), or None.
 
-    Cold tensors are read and digested up to ``budget_bytes`` (each at most
-    once per ``digests``); cold digest rows cost nothing. ``nearest`` limits
-    the search to that many candidates (compare's judging of default-replay
-    digests looks at the neighbours only, so that digesting stays one pass
-    over the cold K/V).
+    Cold tensors without a recorded digest are read and digested up to
+    ``budget_bytes`` (each at most once per ``digests``); cold digest rows
+    cost nothing. ``nearest`` limits the search to that many candidates
+    (compare's judging of default-replay digests looks at the neighbours
+    only, so that digesting stays one pass over the cold K/V).
     """
-    h = pair.hit
-    want = digests.of(hit, h)
-    cands = [e for e in [*cold.entries, *getattr(cold, "digests", ())]
-             if (e.request, e.layer, e.kind, e.dtype, e.shape) == (h.request, h.layer, h.kind, h.dtype, h.shape)
-             and e.position != h.position]
-    cands.sort(key=lambda e: (abs(e.position - h.position), e.position > h.position))
-    cands = cands[:nearest]
-    spent = 0
-    for e in cands:
-        if isinstance(e, TensorEntry):
-            if spent + cold.nbytes(e) > budget_bytes:
-                continue
-            spent += cold.nbytes(e)
-        if digests.of(cold, e) == want:
-            return e
-    return None
-
-
-def diagnose_digest(pair: Pair[Entry], hit: Trace, cold: Trace, digests: DigestCache) -> Diagnosis | None:
-    """What a digest-only root block matches instead, by digest (bit for bit only).
-
-    Args:
-        pair: the root pair; at least one side is a digest row; same dtype and shape.
-        hit, cold: the open traces.
-        digests: digests computed so far (shared with the judging).
-    Returns:
-        "zeros" when the hit block digests like all zeros, else "other_position"
-        for a cold block of the same request that it equals, else None.
-    Raises:
-        TraceError: a cold tensor needed for a digest is unreadable.
-    """
-    h = pair.hit
-    block_size = cold.run.get("block_size") if isinstance(cold.run.get("block_size"), int) else None
-    if math.prod(h.shape) > 0 and digests.of(hit, h) == _zeros_digest(h):
-        where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
-        return Diagnosis(h.request, h.position, h.layer, h.kind, "zeros", True, None, None, None,
-                         f"{where} is all zeros: never written / zeroed")
-    m = match_block(pair, hit, cold, digests)
-    return None if m is None else _finding(h, m, True, block_size)
+    cands = _candidates(pair, cold)[0][:nearest]
+    budget = [budget_bytes]
+    return next((e for e in cands if _bit_equal(pair.hit, hit, e, cold, digests, budget)), None)

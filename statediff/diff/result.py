@@ -26,9 +26,11 @@ import math
 from typing import Any
 
 from statediff.jsonutil import jsonable
+from statediff.trace.summary import Estimate
 
 from .align import StreamPart
 from .diagnose import Diagnosis
+from .focus import focus_commands, focus_spec
 from .metrics import PairMetrics
 from .outputs import OutputDiff
 from .tolerance import Tolerance
@@ -67,13 +69,74 @@ class TraceSide:
 
 
 @dataclasses.dataclass(frozen=True)
+class SketchJudgement:
+    """How a pair with no data on a side was judged from the two summaries (``statediff.trace.summary``).
+
+    Attributes:
+        estimate: the sketch's estimate of ``||hit - cold||_2`` and its 99% interval.
+        budget: the largest L2 norm of a difference within the pair's elementwise
+            tolerance (``l2_budget``: ``atol * sqrt(n) + rtol * ||cold||_2``; 0 for bit identity).
+            The pair diverges by estimate when ``estimate.low > budget``.
+        nonfinite_hit, nonfinite_cold: (NaN count, Inf count) of each side, -1 when unknown.
+    """
+
+    estimate: Estimate
+    budget: float
+    nonfinite_hit: tuple[int, int]
+    nonfinite_cold: tuple[int, int]
+
+    @property
+    def nonfinite_differ(self) -> bool:
+        """Both sides' NaN/Inf counts are known and differ."""
+        known = min(*self.nonfinite_hit, *self.nonfinite_cold) >= 0
+        return known and self.nonfinite_hit != self.nonfinite_cold
+
+    @property
+    def rel_interval(self) -> tuple[float, float]:
+        """The 99% interval of the relative L2 error ``||hit - cold|| / ||cold||``."""
+        e = self.estimate
+        if e.norm_cold > 0:
+            return e.low / e.norm_cold, e.high / e.norm_cold
+        return (0.0, 0.0) if e.l2 == 0 else (math.inf, math.inf)
+
+    def rel_text(self) -> str:
+        """'rel L2 ~ 0.31 (sketch estimate, 99%: 0.21-0.55)'."""
+        lo, hi = self.rel_interval
+        return f"rel L2 ~ {_g(self.estimate.rel_l2, '.2g')} (sketch estimate, 99%: {_g(lo, '.2g')}-{_g(hi, '.2g')})"
+
+    def l2_text(self) -> str:
+        """'L2 error ~ 13 (sketch estimate, 99%: 8.7-22)'."""
+        e = self.estimate
+        return f"L2 error ~ {_g(e.l2, '.2g')} (sketch estimate, 99%: {_g(e.low, '.2g')}-{_g(e.high, '.2g')})"
+
+    def to_json(self) -> dict:
+        lo, hi = self.rel_interval
+        return {**self.estimate.to_json(), "rel_low": lo, "rel_high": hi, "confidence": 0.99,
+                "budget": self.budget, "nonfinite_hit": list(self.nonfinite_hit),
+                "nonfinite_cold": list(self.nonfinite_cold)}
+
+
+def _nonfinite(counts: tuple[int, int]) -> str:
+    return ", ".join(f"{'?' if n < 0 else n} {what}" for n, what in zip(counts, ("NaN", "Inf")))
+
+
+def no_data_text(data: tuple[bool, bool]) -> str:
+    """'' when both sides have data, else 'no data in the hit trace (recorded digest only)' (or cold, or either)."""
+    where = {(False, True): "the hit trace", (True, False): "the cold trace", (False, False): "either trace"}
+    return "" if all(data) else f"no data in {where[tuple(data)]} (recorded digest only)"
+
+
+@dataclasses.dataclass(frozen=True)
 class Divergence:
     """One pair beyond tolerance, with its root/propagated verdict.
 
     ``reason`` is "beyond tolerance", "NaN/Inf on one side only", "digest
-    differs" (a digest-only block: ``digests`` holds the hit and cold
-    digests, ``metrics`` is None) or "dtype/shape differ" (``metrics`` is
-    None). For a root, ``propagated`` counts the divergences attributed to
+    differs", "beyond tolerance (sketch estimate)" or "dtype/shape differ".
+    ``data`` says which sides hold the tensor's data (hit, cold); a pair
+    with no data on a side is judged from the two summaries: ``metrics`` is
+    None, ``digests`` holds the hit and cold digests and ``sketch`` (when
+    both summaries have sketches) the L2 estimate and the budget it was held
+    against. For a root, ``propagated`` counts the divergences attributed to
     it; for a propagated one, ``root_key`` names its root and ``via`` how it
     was carried.
     """
@@ -97,6 +160,8 @@ class Divergence:
     propagated: int = 0
     propagated_same_request: int = 0
     digests: tuple[str, str] | None = None
+    sketch: SketchJudgement | None = None
+    data: tuple[bool, bool] = (True, True)
 
     @property
     def key(self) -> tuple[int, int, int, str]:
@@ -120,9 +185,7 @@ class Divergence:
                  f"tolerance {self.tolerance.describe()}"]
         m = self.metrics
         if m is None and self.digests is not None:
-            lines.append(f"  digest differs: hit {self.digests[0]}, cold {self.digests[1]} (recorded as a "
-                         "digest only: bit-level, no values to measure)")
-            return "\n".join(lines)
+            return "\n".join(lines + self._summary_lines())
         if m is None:
             lines.append(f"  dtype/shape differ: hit {self.dtype} {self.shape}, cold {self.layout_cold}")
             return "\n".join(lines)
@@ -144,11 +207,33 @@ class Divergence:
                      f"{m.n_beyond} of {m.numel} elements beyond tolerance{max_ulp}")
         return "\n".join(lines)
 
+    def _summary_lines(self) -> list[str]:
+        """What the summaries say of a pair with no data on a side."""
+        sk, (hd, cd) = self.sketch, self.digests
+        if self.reason == "NaN/Inf on one side only" and sk is not None:
+            out = [f"  NaN/Inf on one side only: hit {_nonfinite(sk.nonfinite_hit)}; cold "
+                   f"{_nonfinite(sk.nonfinite_cold)} (from the summaries: no values to locate them)"]
+        elif self.reason == "beyond tolerance (sketch estimate)":
+            return [f"  beyond tolerance (sketch estimate): {sk.l2_text()}, above {_g(sk.budget)}, the largest "
+                    f"L2 error the tolerance allows over {math.prod(self.shape)} elements", f"  {sk.rel_text()}",
+                    *self._no_data()]
+        else:
+            out = [f"  digest differs: hit {hd}, cold {cd} (recorded as a digest only: bit-level, no values "
+                   "to measure)"]
+        if sk is not None:
+            out.append(f"  {sk.rel_text()}, {sk.l2_text()}")
+        return out + self._no_data()
+
+    def _no_data(self) -> list[str]:
+        return [f"  {no_data_text(self.data)}: judged from the summaries"] if not all(self.data) else []
+
     def short(self) -> str:
         """One line (used for the next divergences)."""
         tag = "root" if self.root else f"propagated, {self.via}"
         head = f"request {self.request} position {self.position} layer {self.layer} {self.kind} [{tag}]"
         m = self.metrics
+        if m is None and self.sketch is not None:
+            return f"{head} {self.reason}: {self.sketch.rel_text()}"
         if m is None:
             return f"{head} {self.reason}"
         nonfin = f" NaN/Inf one side {m.n_nonfinite}" if m.n_nonfinite else ""
@@ -161,6 +246,8 @@ class Divergence:
             "request", "position", "layer", "module", "kind", "role_hit", "role_cold", "dtype",
             "shape", "layout_cold", "reason", "root", "root_key", "via", "propagated",
             "propagated_same_request", "digests")}
+        d["data"] = {"hit": self.data[0], "cold": self.data[1]}
+        d["sketch"] = None if self.sketch is None else self.sketch.to_json()
         d["tolerance"] = self.tolerance.to_json()
         d["metrics"] = None if self.metrics is None else self.metrics.to_json()
         d["noise_multiple"] = self.noise_multiple
@@ -263,27 +350,36 @@ class InputsDiffer:
 
 @dataclasses.dataclass(frozen=True)
 class DigestSummary:
-    """Digest-only blocks (``/digests``): how many were paired and judged.
+    """Pairs with a side recorded as a digest only (no data): how each was judged.
 
-    ``unjudged`` counts pairs whose digests differ in default replay, where a
-    digest cannot be judged against a tolerance (rounding changes it as
-    surely as a fault) and the hit block matches no other cold block bit
-    for bit; ``first_unjudged`` labels the first few.
+    ``pairs`` counts them; ``by_digest`` those decided by the digests
+    (``identical`` of them bit-identical; the rest differ where that decides:
+    bit identity expected, a NaN/Inf count differs, a layout differs, or the
+    hit block equals another cold block); ``by_estimate`` those judged by the
+    sketch's L2 estimate against the tolerance (``beyond_estimate`` of them
+    beyond it); ``unjudged`` those whose digests differ in default replay
+    without sketches on both sides (version-2 digest rows), which a digest
+    cannot hold against a tolerance; ``first_unjudged`` labels the first few.
     """
 
     pairs: int = 0
     identical: int = 0
     unjudged: int = 0
     first_unjudged: tuple[str, ...] = ()
+    by_digest: int = 0
+    by_estimate: int = 0
+    beyond_estimate: int = 0
 
     def to_text(self) -> str:
         if not self.pairs:
             return ""
-        txt = f"digests: {self.pairs} digest-only blocks paired, {self.identical} bit-identical"
+        txt = (f"digests: {self.pairs} pairs with a side recorded as a digest only (no data): "
+               f"{self.by_digest} judged by digest ({self.identical} bit-identical), {self.by_estimate} by "
+               f"sketch estimate ({self.beyond_estimate} beyond tolerance), {self.unjudged} unjudged")
         if self.unjudged:
             txt += (f"; {self.unjudged} differ but cannot be judged in default replay (a digest holds no "
-                    "values to hold against a tolerance): unjudged, digest only; record both runs with "
-                    "--exact to judge them")
+                    "values to hold against a tolerance, and these rows have no sketch): unjudged, digest "
+                    "only; record both runs with --exact to judge them")
             txt += "".join(f"\n  unjudged: {label}" for label in self.first_unjudged)
         return txt
 
@@ -438,14 +534,43 @@ class CompareResult:
 
     def summary(self) -> str:
         n, roots = len(self.divergences), len(self.roots)
+        # pairs with no data on a side that were not bit-identical: judged from summaries, not read
+        by_summary = self.digests.pairs - self.digests.identical
+        judged = self.pairs if self.stopped_after is None else self.stopped_after
+        how = f"{self.identical} bit-identical, {judged - self.identical - by_summary} read in full"
+        if by_summary:
+            how += f", {by_summary} judged from summaries (no data on a side)"
         if self.stopped_early:
             return (f"aligned by (request, position, layer, kind): {self.pairs} pairs; stopped early at the "
-                    f"first divergence (--first) after judging {self.stopped_after} ({self.identical} "
-                    f"bit-identical, {self.stopped_after - self.identical} read in full): later divergences, "
+                    f"first divergence (--first) after judging {self.stopped_after} ({how}): later divergences, "
                     "propagated ones included, were not counted")
-        return (f"aligned by (request, position, layer, kind): {self.pairs} pairs, {self.identical} "
-                f"bit-identical, {self.pairs - self.identical} read in full; {n} divergent "
+        return (f"aligned by (request, position, layer, kind): {self.pairs} pairs, {how}; {n} divergent "
                 f"({roots} root{'s' if roots != 1 else ''}, {n - roots} propagated)")
+
+    @property
+    def focus(self) -> dict | None:
+        """Where a focused re-record keeps data (``statediff record --focus``): the first root's
+        request and position, in every layer (``layers`` empty: the layers around a root explain
+        it too); None without a divergent tensor."""
+        first = self.first
+        if first is None:
+            return None
+        return {"request": first.request, "position": first.position, "layers": []}
+
+    def focus_commands(self) -> list[str]:
+        """The two ``statediff record`` lines that replay both runs keeping data around the first root."""
+        f = self.focus
+        return [] if f is None else focus_commands(self.hit.run, self.cold.run, f,
+                                                   (self.hit.path, self.cold.path))
+
+    def no_data_lines(self) -> list[str]:
+        """When the first root has no data on a side: that line and the commands that record it."""
+        first = self.first
+        if first is None or all(first.data):
+            return []
+        return ([f"  the root has {no_data_text(first.data)}; record it again keeping data around it "
+                 f"(--focus {focus_spec(self.focus)}), both runs:"]
+                + [f"    {c}" for c in self.focus_commands()])
 
     def to_text(self) -> str:
         out = [f"INCOMPLETE: {t}" for t in self.incomplete]
@@ -474,6 +599,8 @@ class CompareResult:
                     f"in request {d.request}, {later} in later requests)"]
             out += [f"  {g.text}" for g in self.diagnoses[1:] if g.request == d.request
                     and (g.position, g.layer, g.kind) == (d.position, d.layer, d.kind)]
+            if i == 1:
+                out += self.no_data_lines()
         rest = self.divergences[1:self.max_listed + 1]
         if rest:
             out += ["", f"next divergences ({len(self.divergences) - 1} more, first {len(rest)} listed):"]
@@ -505,6 +632,8 @@ class CompareResult:
             "identical": self.identical,
             "divergent": len(self.divergences),
             "first": first.to_json() if first else None,
+            "focus": self.focus,
+            "focus_commands": self.focus_commands() if first is not None and not all(first.data) else [],
             "roots": [d.to_json() for d in self.roots],
             "next": [d.to_json() for d in self.divergences[1:self.max_listed + 1]],
             "output_diff": None if self.output_diff is None else self.output_diff.to_json(),

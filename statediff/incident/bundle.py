@@ -23,16 +23,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from statediff.diff.result import CompareResult, Divergence
+from statediff.diff.result import CompareResult, Divergence, no_data_text
 from statediff.errors import StatediffError, first_line
 from statediff.jsonutil import jsonable
 from statediff.trace.reader import Trace, open_trace
-from statediff.trace.schema import TensorEntry
+from statediff.trace.schema import DigestEntry, TensorEntry
 from statediff.trace.writer import TraceWriter
 
 from .record import build_report
-from .reproduce import CompareOptions
-from .select import Kept, Selection, select
+from .reproduce import CompareOptions, focus_lines
+from .select import Entry, Kept, Selection, select
 
 FORMAT = "statediff.bundle"
 VERSION = 1
@@ -103,10 +103,11 @@ def _size(n: int) -> str:
     return f"{n / MB:.2f} MB" if n >= MB else f"{n / 1000:.1f} kB"
 
 
-def _copy_trace(src: Trace, entries: Sequence[TensorEntry], out: Path, extra_run: dict) -> list[TensorEntry]:
-    """Write ``entries`` of ``src`` (and all its run/request metadata) as a new trace at ``out``.
+def _copy_trace(src: Trace, entries: Sequence[Entry], out: Path, extra_run: dict) -> list[TensorEntry]:
+    """Write ``entries`` of ``src`` (and all its run/request metadata) as a new trace at ``out``:
+    index entries with their data (and summary, when recorded), digest rows as digest rows.
 
-    Returns the entries in the order they were written (dataset ``t<i>`` is the i-th).
+    Returns the index entries in the order they were written (dataset ``t<i>`` is the i-th).
     """
     w = TraceWriter(out, dict(src.run) | extra_run, overwrite=True, threads=0)
     try:
@@ -119,16 +120,19 @@ def _copy_trace(src: Trace, entries: Sequence[TensorEntry], out: Path, extra_run
             w.begin_request(i, request_id, prompt, output_token_ids=outputs, **rec)  # with its logprobs
         order = sorted(entries, key=lambda e: (e.step, e.causal_order))
         for e in order:
-            w.add(src.read(e), request=e.request, position=e.position, layer=e.layer, kind=e.kind,
-                  role=e.role, module=e.module, dtype=e.dtype, token_start=e.token_start, step=e.step,
-                  block=e.block)
+            meta = dict(request=e.request, position=e.position, layer=e.layer, kind=e.kind, role=e.role,
+                        module=e.module, dtype=e.dtype, token_start=e.token_start, step=e.step, block=e.block)
+            if isinstance(e, DigestEntry):
+                w.add_digest(e.summary if e.summary is not None else e.digest, shape=e.shape, **meta)
+            else:
+                w.add(src.read(e), summary=e.summary, **meta)
         w.end_step()
     except BaseException:
         with contextlib.suppress(Exception):
             w.close()
         raise
     w.close()
-    return order
+    return [e for e in order if isinstance(e, TensorEntry)]
 
 
 def _same_moment(a: float, b: float) -> bool:
@@ -264,21 +268,29 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
     folder = out.stem or "bundle"
     notes: list[str] = []
     with open_trace(result.hit.path) as hit, open_trace(result.cold.path) as cold:
-        sel = select(result, hit.entries, cold.entries, neighbours=neighbours, siblings=siblings)
-        raw = sum(hit.nbytes(k.entry) if k.side == "hit" else cold.nbytes(k.entry) for k in sel.kept)
+        sel = select(result, [*hit.entries, *hit.digests], [*cold.entries, *cold.digests],
+                     neighbours=neighbours, siblings=siblings)
+        raw = sum(hit.nbytes(k.entry) if k.side == "hit" else cold.nbytes(k.entry) for k in sel.kept
+                  if isinstance(k.entry, TensorEntry))
         if raw > RAW_FACTOR * max_mb * MB:
             raise StatediffError(f"the tensors to extract hold {_size(raw)} uncompressed: far over "
                                  f"--max-mb {max_mb:g} (try --no-neighbours)")
         for t in (hit, cold):
             if t.partial:
                 notes.append(f"{t.path} is partial ({t.partial_reason}); its extract is a complete file")
+        if not all(result.first.data):  # the bundle can hold only what the traces hold: say how to get it
+            notes.append(f"the root has {no_data_text(result.first.data)}: the bundle holds its summary, "
+                         "not its values; to record them, replay both runs again keeping data around the "
+                         "root: " + "; ".join(focus_lines(result.hit.run, result.cold.run, result.focus,
+                                                          (result.hit.path, result.cold.path))))
         with tempfile.TemporaryDirectory(prefix=".statediff-bundle-", dir=parent) as tmp:
             d = Path(tmp) / folder
             d.mkdir()
             written = {}
             for side, t, src in (("hit", hit, result.hit.path), ("cold", cold, result.cold.path)):
                 extra = {"extracted_from": {"path": src, "partial": t.partial,
-                                            "tensors": len(t.entries), "kept": len(sel.entries(side)),
+                                            "tensors": len(t.entries) + len(t.digests),
+                                            "kept": len(sel.entries(side)),
                                             "root": list(sel.root)}}
                 written[side] = _copy_trace(t, sel.entries(side), d / f"{side}.h5", extra)
             verified = [f"fingerprints of {verify_fingerprints(written['hit'], d / 'hit.h5')} hit and "
@@ -331,7 +343,8 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
                 raise StatediffError(f"cannot write bundle {out}: {e.strerror or e}") from None
     return BundleResult(path=str(out), bytes=size, max_mb=max_mb, members=members, root=result.first,
                         diagnosis=diag, kept=list(sel.kept),
-                        source_tensors=(len(hit.entries), len(cold.entries)), verified=verified, notes=notes)
+                        source_tensors=(len(hit.entries) + len(hit.digests), len(cold.entries) + len(cold.digests)),
+                        verified=verified, notes=notes)
 
 
 def _check_same(full: CompareResult, part: CompareResult) -> None:

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from statediff.diff.result import CompareResult
+from statediff.diff.result import CompareResult, no_data_text
 from statediff.jsonutil import jsonable
 
 from .reproduce import CompareOptions, reproduce_lines, speculative
@@ -335,7 +335,8 @@ def build_report(result: CompareResult, options: CompareOptions = CompareOptions
         "acceptance per turn (hit run)": _acceptance_summary(hit_requests, spec),
         "acceptance per turn (cold run)": _acceptance_summary(cold_requests, _spec(cold_run)[2]),
         "outputs": _outputs(result),
-        "root divergence": "none" if result.first is None else result.first.where(),
+        "root divergence": "none" if result.first is None else result.first.where() + (
+            "" if all(result.first.data) else f"; {no_data_text(result.first.data)}"),
         "diagnosis": "none" if not result.diagnoses else result.diagnoses[0].text.removeprefix("diagnosis: "),
         "statediff version": _known(run.get("statediff_version")),
         "traces": _traces(result),
@@ -365,8 +366,11 @@ def build_report(result: CompareResult, options: CompareOptions = CompareOptions
              else "statediff: no state divergence between the cache-hit and cold runs")
     if result.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
         title += " (INCOMPLETE trace: " + "; ".join(result.incomplete) + ")"
+    no_data = first is not None and not all(first.data)
     return IncidentReport(
         title=title, fields=[(k, fields[k]) for k in FIELD_LABELS], turns=turns,
         compare_text=result.to_text(),
-        reproduce=reproduce_lines(hit_run, cold_run, options, bundle=bundle, replay_file=replay_file),
+        reproduce=reproduce_lines(hit_run, cold_run, options, bundle=bundle, replay_file=replay_file,
+                                  focus=result.focus if no_data else None,
+                                  focus_why=no_data_text(first.data) if no_data else ""),
         bundle=list(bundle_lines), exit_code=result.exit_code)

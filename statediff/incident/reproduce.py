@@ -12,6 +12,7 @@ import json
 import shlex
 from typing import Any
 
+from statediff.diff.focus import FOCUS_OUT, focus_spec, record_words
 from statediff.diff.noise import DEFAULT_FACTOR
 
 
@@ -155,9 +156,30 @@ def record_command(run: dict, mode: str, out: str, *, split_like: str | None = N
     return shlex.join(["statediff", "record", *words]), exact
 
 
+def focus_lines(hit_run: dict, cold_run: dict, focus: dict, paths: tuple[str, str]) -> list[str]:
+    """The hit and cold ``statediff record`` lines that replay both runs keeping data around
+    ``focus`` (``{"request", "position", "layers"}``, ``CompareResult.focus``): the stored command
+    line without its ``--keep``/``--focus`` (rebuilt from the run metadata when not stored),
+    ``-o hit-focus.h5`` / ``cold-focus.h5``, then ``--focus request=R,position=P[,layers=L]
+    --focus-check PATH`` (``paths``: the hit and cold traces the re-record must replay identically)."""
+    out = []
+    split = FOCUS_OUT["hit"] if cold_run.get("exact_form") == "split" else None
+    for run, mode, split_like, path in ((hit_run, "hit", None, paths[0]), (cold_run, "cold", split, paths[1])):
+        words = record_words(run)
+        run = run if words is None else dict(run, record_argv=words)
+        cmd, _ = record_command(run, mode, FOCUS_OUT[mode], split_like=split_like)
+        out.append(cmd + " " + shlex.join(["--focus", focus_spec(focus), "--focus-check", str(path)]))
+    return out
+
+
 def reproduce_lines(hit_run: dict, cold_run: dict, options: CompareOptions = CompareOptions(), *,
-                    bundle: str | None = None, replay_file: str | None = None) -> list[str]:
-    """Shell lines: record both runs, compare, report, extract (and compare the bundle)."""
+                    bundle: str | None = None, replay_file: str | None = None,
+                    focus: dict | None = None, focus_why: str = "") -> list[str]:
+    """Shell lines: record both runs, compare, report, extract (and compare the bundle).
+
+    With ``focus`` (the root has no data on a side; ``focus_why`` says which), the lines that
+    record both runs again keeping data around the root follow the record lines.
+    """
     opts = options.argv()
     split = "hit.h5" if cold_run.get("exact_form") == "split" else None
     hit_cmd, exact_h = record_command(hit_run, hit_run.get("mode") or "hit", "hit.h5")
@@ -166,6 +188,10 @@ def reproduce_lines(hit_run: dict, cold_run: dict, options: CompareOptions = Com
     if not (exact_h and exact_c):
         lines.append("# (rebuilt from the run metadata: the traces do not store the record command line)")
     lines += [hit_cmd, cold_cmd]
+    if focus is not None:
+        lines.append(f"# the root has {focus_why or 'no data on a side'}: record both runs again keeping "
+                     "data around it:")
+        lines += focus_lines(hit_run, cold_run, focus, ("hit.h5", "cold.h5"))
     if replay_file is not None:
         lines += [f"# or with the prompts (token ids) of every request from the bundle's {replay_file}:",
                   record_command(hit_run, hit_run.get("mode") or "hit", "hit.h5",

@@ -5,7 +5,10 @@ tensors of the root's kind and its sibling kinds (conv with SSM state, K
 with V) at the root position and ``neighbours`` boundaries on each side of
 it in that request (positions from both traces: the boundary before a hit
 often exists only in the cold trace); and the cold tensor the diagnosis
-says the wrong hit tensor matches. Pure functions over index entries.
+says the wrong hit tensor matches. Tensors recorded as a digest only
+(``/digests`` rows) are selected by the same rules and travel as digest
+rows: the extracted pair then judges and diagnoses them from their
+summaries as the full pair did. Pure functions over index and digest entries.
 """
 
 from __future__ import annotations
@@ -15,22 +18,26 @@ from collections.abc import Sequence
 
 from statediff.diff.result import CompareResult
 from statediff.errors import StatediffError
-from statediff.trace.schema import TensorEntry
+from statediff.trace.schema import DigestEntry, TensorEntry
+
+Entry = TensorEntry | DigestEntry
 
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
-    """One tensor kept in the bundle: which trace it is from (``"hit"``/``"cold"``) and why."""
+    """One tensor kept in the bundle: which trace it is from (``"hit"``/``"cold"``) and why
+    (``entry`` is a digest row when that trace holds only its digest)."""
 
     side: str
-    entry: TensorEntry
+    entry: Entry
     why: str
 
     def to_json(self) -> dict:
         e = self.entry
         return {"side": self.side, "request": e.request, "position": e.position, "layer": e.layer,
                 "kind": e.kind, "role": e.role, "module": e.module, "dtype": e.dtype,
-                "shape": list(e.shape), "hash": e.hash, "why": self.why}
+                "shape": list(e.shape), "hash": getattr(e, "hash", None), "digest": e.digest_value,
+                "data": isinstance(e, TensorEntry), "why": self.why}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +48,18 @@ class Selection:
     root: tuple[int, int, int, str]
     kept: tuple[Kept, ...]
 
-    def entries(self, side: str) -> list[TensorEntry]:
+    def entries(self, side: str) -> list[Entry]:
         return [k.entry for k in self.kept if k.side == side]
 
 
-def select(result: CompareResult, hit_entries: Sequence[TensorEntry], cold_entries: Sequence[TensorEntry], *,
+def select(result: CompareResult, hit_entries: Sequence[Entry], cold_entries: Sequence[Entry], *,
            neighbours: int = 1, siblings: bool = True) -> Selection:
     """Choose the tensors a bundle keeps for ``result``'s first (root) divergence.
 
     Args:
         result: ``compare`` of the two traces (with a divergence).
-        hit_entries, cold_entries: the traces' index entries (``Trace.entries``).
+        hit_entries, cold_entries: the traces' index entries and digest rows
+            (``Trace.entries`` + ``Trace.digests``).
         neighbours: boundaries kept on each side of the root position (0: none).
         siblings: keep the layer's other kinds (conv with SSM, V with K).
 
@@ -64,7 +72,7 @@ def select(result: CompareResult, hit_entries: Sequence[TensorEntry], cold_entri
     r, p, layer, kind = root.key
     sides = (("hit", hit_entries), ("cold", cold_entries))
 
-    def scope(e: TensorEntry) -> bool:
+    def scope(e: Entry) -> bool:
         return e.request == r and e.layer == layer and (siblings or e.kind == kind)
 
     kinds = {e.kind for _, entries in sides for e in entries if scope(e)}

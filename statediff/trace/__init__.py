@@ -1,7 +1,8 @@
-"""Trace format v2 (see docs/trace-format.md): schema, writer, reader, block digests."""
+"""Trace format v3 (see docs/trace-format.md): schema, writer, reader, per-tensor summaries (digests)."""
 
 from .reader import Trace, open_trace
 from .schema import FORMAT_VERSION, KINDS, ROLES, DigestEntry, TensorEntry
+from .summary import Summary
 from .writer import TraceWriter, check_writable, merge_parts, parts_dir, recover
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "FORMAT_VERSION",
     "KINDS",
     "ROLES",
+    "Summary",
     "TensorEntry",
     "Trace",
     "TraceWriter",

@@ -31,6 +31,11 @@ def weights(lane: int, start: int, n: int) -> np.ndarray:
     z = np.arange(start + 1, start + 1 + n, dtype=_U64)
     z *= _U64(GOLDEN)
     z += _U64(seed)
+    return mix64(z)
+
+
+def mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of a uint64 array, in place (wrapping arithmetic, logical shifts)."""
     z ^= z >> _U64(30)
     z *= _U64(MIX1)
     z ^= z >> _U64(27)

@@ -9,6 +9,7 @@ hash is checked. Nothing is unpickled or evaluated.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from .fingerprint import new_hasher
 from .schema import stop_reason
 from .schema import (
     DIGEST_DTYPE,
+    DIGEST_DTYPE_V2,
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_DTYPE,
@@ -52,7 +54,9 @@ from .schema import (
     request_problem,
     run_problem,
 )
-from .storage import StoredArray
+from .storage import DATA_FILE, FRAME_DTYPE, MAX_FRAME_ROWS, DataFile, FramedArray, Frames, \
+    StoredArray, frames_by_dataset
+from .summary import Summary
 
 # Largest tensor read whole; bigger ones must go through iter_blocks().
 MAX_TENSOR_BYTES = int(os.environ.get("STATEDIFF_MAX_TENSOR_BYTES", 8 << 30))
@@ -233,36 +237,155 @@ def _entry(row: np.void, where: str) -> TensorEntry:
     )
 
 
-def _read_digests(f: h5py.File, path: Path, version: int) -> list[DigestEntry]:
-    """The optional ``/digests`` table, validated row by row ([] when absent).
+def _read_digests(f: h5py.File, path: Path, version: int) -> tuple[list[DigestEntry], dict[str, tuple[dict, Summary]]]:
+    """The optional ``/digests`` table, validated row by row.
 
-    Refused like ``/index``: not a plain 1-D dataset of exactly
-    ``DIGEST_DTYPE``, over ``MAX_DIGEST_ROWS`` rows, present in a file that
-    declares a format version older than ``MIN_DIGEST_VERSION``, or any row
-    with an unknown kind, role or dtype, text that does not decode, a bad
-    shape, positions out of order, or a digest that is not 32 lowercase hex
-    digits.
+    Returns:
+        (digest-only tensors, {dataset name: (key fields, summary)} of the rows
+        that summarise a tensor with data); both empty when the table is absent.
+
+    Refused like ``/index``: not a plain 1-D dataset of exactly the table
+    layout of the file's version (``DIGEST_DTYPE_V2`` in version 2,
+    ``DIGEST_DTYPE`` from version 3), over ``MAX_DIGEST_ROWS`` rows, present
+    in a file that declares a format version older than
+    ``MIN_DIGEST_VERSION``, or any row with an unknown kind, role or dtype,
+    text that does not decode, a bad shape, positions out of order, a digest
+    that is not 32 lowercase hex digits, a bf16 digest that is neither empty
+    nor 32 hex digits, counts below -1, a dataset name that is not
+    ``t<digits>`` or is named twice.
     """
     ds = _hard_child(f, "digests", str(path))
     if ds is None:
-        return []
+        return [], {}
     if not isinstance(ds, h5py.Dataset):
         raise TraceError(f"{path}: /digests is not a dataset")
     if version < MIN_DIGEST_VERSION:
         raise TraceError(f"{path}: /digests in a version {version} trace "
                          f"(digests need format version {MIN_DIGEST_VERSION})")
-    rows = _read_table(f, path, ds, "digests", DIGEST_DTYPE, MAX_DIGEST_ROWS)
-    return [_digest_entry(row, n, str(path)) for n, row in enumerate(rows)]
+    layout = DIGEST_DTYPE_V2 if version == 2 else DIGEST_DTYPE
+    rows = _read_table(f, path, ds, "digests", layout, MAX_DIGEST_ROWS)
+    label = lambda n: f"{path}: /digests row {n}"  # noqa: E731
+    fields = _table_fields(rows, label)
+    bad = ~_is_hex(rows["digest"])
+    if version > 2:
+        bf16 = rows["digest_bf16"]
+        bad |= ~(_is_hex(bf16) | (bf16 == b""))
+        bad |= (rows["n_nan"] < -1) | (rows["n_inf"] < -1)
+        bad |= (rows["sumsq"] < 0) | (rows["absmax"] < 0)  # NaN (unknown) compares False
+        bad |= (bf16 != b"") & (rows["dtype"] != b"float32")
+        nan_sketch = np.isnan(rows["sketch"])
+        bad |= nan_sketch.any(axis=1) & ~nan_sketch.all(axis=1)
+        names = rows["dataset"]
+        bad |= ~((names == b"") | _is_dataset_name(names))
+    if bad.any():  # the row-by-row check names the problem
+        n = int(np.argmax(bad))
+        _check_digest_row(rows[n], version, label(n))
+    only: list[DigestEntry] = []
+    linked: dict[str, tuple[dict, Summary]] = {}
+    if version == 2:
+        return [DigestEntry(**kw, digest=d.decode("ascii"))
+                for kw, d in zip(fields, rows["digest"].tolist())], linked
+    known_sketches = ~np.isnan(rows["sketch"]).all(axis=1)
+
+    def columns() -> Iterator[tuple]:
+        for c in range(0, len(rows), _CHUNK_ROWS):
+            r = rows[c:c + _CHUNK_ROWS]
+            yield from zip(r["digest"].tolist(), r["digest_bf16"].tolist(), r["sum"].tolist(),
+                           r["sumsq"].tolist(), r["absmax"].tolist(), r["n_nan"].tolist(),
+                           r["n_inf"].tolist(), r["sketch"].tolist(), r["dataset"].tolist(),
+                           known_sketches[c:c + _CHUNK_ROWS].tolist())
+
+    for n, (kw, (d, bf16, s1, s2, amax, nn, ni, sk, name, known_sketch)) in enumerate(zip(fields, columns())):
+        d = d.decode("ascii")
+        summary = Summary(digest=d, digest_bf16=bf16.decode("ascii"), sum=s1, sumsq=s2, absmax=amax,
+                          n_nan=nn, n_inf=ni, sketch=tuple(sk) if known_sketch else None)
+        if not name:  # a row that knows only its digest reads like a version-2 row
+            known = summary.known_moments or known_sketch or summary.digest_bf16
+            only.append(DigestEntry(**kw, digest=d, summary=summary if known else None))
+            continue
+        name = name.decode("ascii")
+        if name in linked:
+            raise TraceError(f"{label(n)}: dataset {name} has two /digests rows")
+        linked[name] = (kw, summary)
+    return only, linked
 
 
-def _digest_entry(row: np.void, n: int, where: str) -> DigestEntry:
-    """A validated ``/digests`` row (same rules as an index row, plus the digest text)."""
-    label = f"{where}: /digests row {n}"
-    fields = _row_fields(row, label, label)
+def _is_hex(col: np.ndarray) -> np.ndarray:
+    """Per element of an ``S32`` column: exactly 32 lowercase hex digits."""
+    if col.size == 0:
+        return np.ones(0, bool)
+    b = np.ascontiguousarray(col).view(np.uint8).reshape(col.size, -1)
+    return (((b >= 48) & (b <= 57)) | ((b >= 97) & (b <= 102))).all(axis=1)
+
+
+def _is_dataset_name(col: np.ndarray) -> np.ndarray:
+    """Per element of an ``S32`` column: matches ``DATASET_RE`` (t and at least 9 digits)."""
+    return np.array([DATASET_RE.fullmatch(x.decode("latin-1")) is not None for x in col.tolist()], bool)
+
+
+def _check_digest_row(row: np.void, version: int, label: str) -> None:
+    """Raise the ``TraceError`` that names what is wrong with one ``/digests`` row."""
     digest = _decode(row["digest"], "digest", label)
     if not HASH_RE.fullmatch(digest):
         raise TraceError(f"{label}: digest is not 32 lowercase hex digits")
-    return DigestEntry(**fields, digest=digest)
+    if version > 2:
+        _summary(row, digest, label)
+        name = _decode(row["dataset"], "dataset", label)
+        if name and not DATASET_RE.fullmatch(name):
+            raise TraceError(f"{label}: dataset name is not t<digits>")
+    raise TraceError(f"{label}: invalid row")
+
+
+def _summary(row: np.void, digest: str, label: str) -> Summary:
+    """The summary fields of a version-3 ``/digests`` row, validated."""
+    bf16 = _decode(row["digest_bf16"], "digest_bf16", label)
+    if bf16 and not HASH_RE.fullmatch(bf16):
+        raise TraceError(f"{label}: digest_bf16 is neither empty nor 32 lowercase hex digits")
+    if bf16 and row["dtype"] != b"float32":
+        raise TraceError(f"{label}: digest_bf16 on a {row['dtype'].decode('ascii', 'replace')} tensor "
+                         "(only float32 tensors have one)")
+    n_nan, n_inf = int(row["n_nan"]), int(row["n_inf"])
+    if n_nan < -1 or n_inf < -1:
+        raise TraceError(f"{label}: NaN/Inf counts below -1 ({n_nan}, {n_inf})")
+    if row["sumsq"] < 0 or row["absmax"] < 0:
+        raise TraceError(f"{label}: negative sum of squares or abs max")
+    sketch = tuple(float(x) for x in row["sketch"])
+    if any(math.isnan(x) for x in sketch) and not all(math.isnan(x) for x in sketch):
+        raise TraceError(f"{label}: sketch is partly NaN (all NaN: unknown; else every value a number)")
+    return Summary(digest=digest, digest_bf16=bf16, sum=float(row["sum"]), sumsq=float(row["sumsq"]),
+                   absmax=float(row["absmax"]), n_nan=n_nan, n_inf=n_inf,
+                   sketch=None if all(math.isnan(x) for x in sketch) else sketch)
+
+
+_LINK_FIELDS = ("request", "position", "token_start", "layer", "kind", "role", "dtype", "shape")
+
+
+def _attach(entries: list[TensorEntry], linked: dict[str, tuple[dict, Summary]],
+            where: Path) -> list[TensorEntry]:
+    """``entries`` with the summaries of their ``/digests`` rows attached (``TensorEntry.summary``).
+
+    Raises:
+        TraceError: a row names a dataset that is not in this file's index, or
+            its key fields differ from that index row's.
+    """
+    if not linked:
+        return entries
+    out = []
+    for e in entries:
+        link = linked.pop(e.dataset, None)
+        if link is None:
+            out.append(e)
+            continue
+        fields, summary = link
+        bad = [k for k in _LINK_FIELDS if fields[k] != getattr(e, k)]
+        if bad:
+            raise TraceError(f"{where}: the /digests row of {e.dataset} disagrees with its index row "
+                             f"on {', '.join(bad)}")
+        out.append(dataclasses.replace(e, summary=summary))
+    if linked:
+        name = sorted(linked)[0]
+        raise TraceError(f"{where}: /digests names dataset {name}, which is not in the index")
+    return out
 
 
 def _row_fields(row: np.void, label: str, where: str) -> dict:
@@ -292,6 +415,65 @@ def _row_fields(row: np.void, label: str, where: str) -> dict:
     return dict(request=request, position=position, token_start=token_start, layer=int(row["layer"]),
                 kind=kind, role=role, module=_decode(row["module"], "module", where, "utf-8"),
                 step=int(row["step"]), block=int(row["block"]), dtype=dtype, shape=tuple(shape_all[:ndim]))
+
+
+_KIND_BYTES = np.array(sorted(k.encode() for k in KINDS))
+_ROLE_BYTES = np.array(sorted(r.encode() for r in ROLES))
+_DTYPE_BYTES = np.array(sorted(d.encode() for d in STORAGE))
+
+
+_CHUNK_ROWS = 4096  # rows turned into Python objects at a time (bounds the temporaries)
+
+
+def _table_fields(rows: np.ndarray, label: Any) -> Iterator[dict]:
+    """``_row_fields`` of every row of a table, checked column-wise (tens of thousands of rows
+    in milliseconds) before the first is yielded; the first bad row is handed to ``_row_fields``
+    for its exact message.
+
+    ``label(n)`` names row n in errors.
+    """
+    n = len(rows)
+    if n == 0:
+        return iter(())
+    ndim = rows["ndim"].astype(np.int64)
+    shape = rows["shape"].astype(np.int64)
+    inside = np.arange(MAX_NDIM)[None, :] < ndim[:, None]
+    kind, role, dtype = rows["kind"], rows["role"], rows["dtype"]
+    req, pos, start = (rows[k].astype(np.int64) for k in ("request", "position", "token_start"))
+    ok = (ndim >= 0) & (ndim <= MAX_NDIM) & ~((shape < 0) & inside).any(1) & ~((shape != 0) & ~inside).any(1)
+    ok &= np.isin(kind, _KIND_BYTES) & np.isin(role, _ROLE_BYTES) & np.isin(dtype, _DTYPE_BYTES)
+    ok &= (req >= 0) & (pos >= 0) & (start >= 0) & (start <= pos)
+    if ok.all():
+        itemsize = {d: STORAGE[d.decode()].itemsize for d in np.unique(dtype).tolist()}
+        size = np.array([itemsize[d] for d in dtype.tolist()], np.float64)
+        ok &= np.where(inside, shape, 1).astype(np.float64).prod(axis=1) * size <= MAX_DECLARED_BYTES
+    if not ok.all():
+        i = int(np.argmin(ok))
+        _row_fields(rows[i], label(i), label(i))
+        raise TraceError(f"{label(i)}: invalid row")
+    names: dict[bytes, str] = {}
+
+    def text(raw: bytes, field: str, encoding: str = "ascii") -> str:
+        got = names.get(raw)
+        if got is None:
+            got = names[raw] = _decode(raw, field, label(0), encoding)
+        return got
+
+    shapes: dict[tuple, tuple] = {}
+
+    def gen() -> Iterator[dict]:
+        for c in range(0, n, _CHUNK_ROWS):
+            sl = slice(c, c + _CHUNK_ROWS)
+            for r, p, s, layer, k, ro, mod, step, block, dt, nd, sh in zip(
+                    req[sl].tolist(), pos[sl].tolist(), start[sl].tolist(), rows["layer"][sl].tolist(),
+                    kind[sl].tolist(), role[sl].tolist(), rows["module"][sl].tolist(),
+                    rows["step"][sl].tolist(), rows["block"][sl].tolist(), dtype[sl].tolist(),
+                    ndim[sl].tolist(), map(tuple, shape[sl].tolist())):
+                key = sh[:nd]
+                yield dict(request=r, position=p, token_start=s, layer=layer, kind=text(k, "kind"),
+                           role=text(ro, "role"), module=text(mod, "module", "utf-8"), step=step,
+                           block=block, dtype=text(dt, "dtype"), shape=shapes.setdefault(key, key))
+    return gen()
 
 
 def _tensor_names(f: h5py.File, path: Path) -> set[str]:
@@ -448,8 +630,9 @@ class Trace:
         format_version: int.
         run: run metadata dict (every key of ``schema.RUN_KEYS``; unknown ones null).
         requests: {request index: record dict with prompt/output token ids}.
-        entries: every recorded tensor, in causal order.
-        digests: every digest-only tensor (``/digests``, format version 2), in
+        entries: every tensor recorded with data, in causal order (each with
+            ``summary``: its ``/digests`` row from version 3, else None).
+        digests: every digest-only tensor (``/digests`` rows without data), in
             causal order; [] when the trace has none.
 
     Raises:
@@ -461,6 +644,8 @@ class Trace:
         self.path = p
         self._files: collections.OrderedDict[Path, h5py.File] = collections.OrderedDict()
         self._where: dict[str, Path] = {}
+        self._frames: dict[str, Frames] = {}  # parts directory: tensors located in its data file
+        self._data: DataFile | None = None
         self._lock = threading.RLock()
         self.partial_reason = ""
         self.damage = ""
@@ -501,8 +686,8 @@ class Trace:
         self.partial = not bool(complete) or stop_reason(self.run) is not None
         if self.partial:
             self.partial_reason = stop_reason(self.run) or "the recording did not finish (recovered from its parts)"
-        self.entries = self._entries(f, p)
-        self.digests = _read_digests(f, p, self.format_version)
+        self.digests, linked = _read_digests(f, p, self.format_version)
+        self.entries = _attach(self._entries(f, p), linked, p)
         self.requests = _read_requests(f, p)
 
     def _open_parts(self, d: Path) -> None:
@@ -529,8 +714,9 @@ class Trace:
                 version = _check_header(f, seg)
                 if not _attr(f, "segment", str(seg), "biu"):
                     raise TraceError(f"{seg} is not marked as a segment")
-                entries = self._entries(f, seg)
-                digests = _read_digests(f, seg, version)
+                frames = self._segment_frames(f, seg, d)
+                digests, linked = _read_digests(f, seg, version)
+                entries = _attach(self._entries(f, seg, frames), linked, seg)
                 requests = _read_requests(f, seg)
             except Exception as e:  # TraceError, or anything h5py raises on a damaged file
                 # keep the valid prefix: a step is in the trace only if its segment is whole
@@ -543,6 +729,9 @@ class Trace:
                 self.partial_reason = (
                     f"the recording did not finish; read up to step {self.segments} ({self.damage})")
                 return
+            if frames is not None:  # its tensors are read from the data file: no handle needed
+                self._frames.update(frames)
+                self._drop(seg)
             self.format_version = max(self.format_version, version)
             self.entries.extend(entries)
             self.digests.extend(digests)
@@ -554,21 +743,36 @@ class Trace:
         if stop_reason(self.run):  # the replay stopped early and its close did not finish either
             self.partial_reason = f"{stop_reason(self.run)}; {self.partial_reason}"
 
-    def _entries(self, f: h5py.File, src: Path) -> list[TensorEntry]:
+    def _segment_frames(self, f: h5py.File, seg: Path, d: Path) -> dict[str, Frames] | None:
+        """A segment's ``/frames``: where its tensors lie in the data file (docs/trace-format.md,
+        Crash safety); None for a segment that holds its own ``/tensors`` (older writers)."""
+        ds = _hard_child(f, "frames", str(seg))
+        if ds is None:
+            return None
+        if not isinstance(ds, h5py.Dataset):
+            raise TraceError(f"{seg}: /frames is not a dataset")
+        if self._data is None:  # opened after the segments were listed: it holds all their chunks
+            self._data = DataFile(d / DATA_FILE)
+        rows = _read_table(f, seg, ds, "frames", FRAME_DTYPE, MAX_FRAME_ROWS)
+        return frames_by_dataset(rows, str(seg), self._data.size)
+
+    def _entries(self, f: h5py.File, src: Path,
+                 frames: dict[str, Frames] | None = None) -> list[TensorEntry]:
         rows = _read_index(f, src)
-        names = _tensor_names(f, src)
+        names = _tensor_names(f, src) if frames is None else set(frames)
+        table = "/tensors" if frames is None else "/frames"
         out = []
         for row in rows:
             e = _entry(row, str(src))
             if e.dataset in self._where:
                 raise TraceError(f"{src}: dataset {e.dataset} is listed twice")
             if e.dataset not in names:
-                raise TraceError(f"{src}: tensor {e.dataset} ({e.label()}) is missing from /tensors")
+                raise TraceError(f"{src}: tensor {e.dataset} ({e.label()}) is missing from {table}")
             self._where[e.dataset] = src
             out.append(e)
         if len(names) != len(out):
             extra = sorted(names - {e.dataset for e in out})[:3]
-            raise TraceError(f"{src}: /tensors holds datasets not in the index, e.g. {extra}")
+            raise TraceError(f"{src}: {table} holds datasets not in the index, e.g. {extra}")
         return out
 
     def _file(self, p: Path) -> h5py.File:
@@ -599,13 +803,6 @@ class Trace:
             except Exception:
                 pass
 
-    def datasets_by_file(self) -> dict[Path, list[str]]:
-        """Names of the tensor datasets, grouped by the file holding them (in file order)."""
-        out: dict[Path, list[str]] = {}
-        for name, src in sorted(self._where.items()):
-            out.setdefault(src, []).append(name)
-        return dict(sorted(out.items()))
-
     # -- metadata ------------------------------------------------------------
 
     def describe(self) -> str:
@@ -623,6 +820,10 @@ class Trace:
         src = self._where.get(e.dataset)
         if src is None:
             raise TraceError(f"{self.path}: tensor {e.dataset} ({e.label()}) is not in this trace")
+        frames = self._frames.get(e.dataset)
+        if frames is not None:
+            return FramedArray(self._data, frames, storage_dtype(e.dtype), e.shape,
+                               f"{self._data.path}: /tensors/{e.dataset} ({e.label()})")
         where = f"{src}: /tensors/{e.dataset} ({e.label()})"
         try:
             f = self._file(src)
@@ -692,13 +893,15 @@ class Trace:
         total = 0
         for e in self.entries:
             try:
-                total += self._stored(e).ds.id.get_storage_size()
+                total += self._stored(e).storage_size()
             except Exception:
                 pass
         return total
 
     def close(self) -> None:
         """Close every open file (idempotent)."""
+        if self._data is not None:
+            self._data.close()
         for f in self._files.values():
             try:
                 f.close()

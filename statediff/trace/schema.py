@@ -1,4 +1,4 @@
-"""Trace format (version 2): names, record layout and limits. No I/O here.
+"""Trace format (version 3): names, record layout and limits. No I/O here.
 
 The normative description is ``docs/trace-format.md``; this module is its
 executable form. Everything in a trace is plain data: fixed-size numeric
@@ -14,19 +14,23 @@ from typing import Any
 
 import numpy as np
 
+from .summary import SKETCH_DIM, Summary
+
 FORMAT_NAME = "statediff.trace"
-FORMAT_VERSION = 2  # the newest version read and written; 2 added the optional /digests table
+FORMAT_VERSION = 3  # the newest version read and written
+# 2 added the optional /digests table (digest-only K/V blocks); 3 gave /digests a row for every
+# captured tensor (a summary: digest, bf16 digest, moments, sketch; ``dataset`` links kept data)
 MIN_DIGEST_VERSION = 2  # /digests is refused in files declaring an older version
 
 
 def version_for(has_digests: bool) -> int:
-    """The lowest format version that expresses a file (docs/trace-format.md, Versioning).
+    """The format version a writer declares (docs/trace-format.md, Versioning).
 
     A file without ``/digests`` is written as version 1, so readers that
-    predate version 2 still read it; a file with ``/digests`` as version 2
+    predate digests still read it; a file with ``/digests`` as version 3
     (a version-1 reader ignoring the table could call differing traces identical).
     """
-    return MIN_DIGEST_VERSION if has_digests else 1
+    return FORMAT_VERSION if has_digests else 1
 
 # Tensor kinds, in causal order within one (request, position, layer).
 KINDS = (
@@ -57,7 +61,7 @@ ZSTD_FILTER_ID = 32015  # registered HDF5 filter id for Zstandard (hdf5plugin)
 # allocation it guards.
 MAX_JSON_BYTES = 16 * 1024 * 1024  # one JSON attribute
 MAX_INDEX_ROWS = 1 << 22  # rows of /index (~1.5 GB at 361 bytes a row)
-MAX_DIGEST_ROWS = 1 << 22  # rows of /digests (~1.2 GB at 281 bytes a row)
+MAX_DIGEST_ROWS = 1 << 23  # rows of /digests (~3.8 GB at 449 bytes a row)
 MAX_REQUESTS = 1_000_000
 MAX_TOKENS_PER_REQUEST = 16_000_000  # elements of one per-request dataset (token ids, logprobs)
 MAX_LOGPROBS_K = 64  # alternatives per output token in output_topk_* (the second axis)
@@ -94,8 +98,8 @@ INDEX_DTYPE = np.dtype(
 )
 
 
-# One row of /digests per tensor recorded as a digest only (no dataset). Fixed-size fields only.
-DIGEST_DTYPE = np.dtype(
+# Version 2: one row of /digests per tensor recorded as a digest only (no dataset). Read, never written.
+DIGEST_DTYPE_V2 = np.dtype(
     [
         ("request", "<i4"),
         ("position", "<i8"),  # absolute tokens covered: [token_start, position)
@@ -113,6 +117,20 @@ DIGEST_DTYPE = np.dtype(
     ]
 )
 
+# Version 3: one row of /digests per captured tensor, with or without data (statediff.trace.summary).
+DIGEST_DTYPE = np.dtype(
+    DIGEST_DTYPE_V2.descr + [
+        ("dataset", "S32"),  # name under /tensors of the kept data; empty: digest only
+        ("digest_bf16", "S32"),  # float32: digest of the tensor rounded to bfloat16; else empty
+        ("sum", "<f8"),  # float64 moments of the finite decoded values (NaN: unknown)
+        ("sumsq", "<f8"),
+        ("absmax", "<f8"),
+        ("n_nan", "<i8"),  # -1: unknown
+        ("n_inf", "<i8"),
+        ("sketch", "<f4", (SKETCH_DIM,)),  # random projection (NaN: unknown)
+    ]
+)
+
 
 def _utf8_prefix(text: str, n: int) -> bytes:
     """At most ``n`` bytes of UTF-8, never cutting a character in half."""
@@ -121,6 +139,8 @@ def _utf8_prefix(text: str, n: int) -> bytes:
 
 class _Keyed:
     """Alignment key and causal order, shared by index rows and digest rows."""
+
+    __slots__ = ()  # subclasses are slotted dataclasses: a trace may hold millions of rows
 
     request: int
     position: int
@@ -137,8 +157,23 @@ class _Keyed:
         """Sort key: request, then position, then layer, then kind."""
         return (self.request, self.position, self.layer, KIND_RANK.get(self.kind, 99))
 
+    @property
+    def digest_value(self) -> str | None:
+        """The exact digest recorded for this tensor (``/digests``), or None (none recorded)."""
+        summary = getattr(self, "summary", None)
+        if summary is not None:
+            return summary.digest
+        return getattr(self, "digest", None)
 
-@dataclasses.dataclass(frozen=True)
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class TensorEntry(_Keyed):
     """One recorded tensor as listed in the trace index.
 
@@ -146,6 +181,8 @@ class TensorEntry(_Keyed):
     summarises (a GDN state after ``position`` tokens; a K/V block covering
     tokens ``[token_start, position)``). ``shape`` and ``dtype`` are logical;
     the stored array has the storage dtype of ``statediff.trace.dtypes.STORAGE``.
+    ``summary`` is the tensor's ``/digests`` row (format version 3), None in
+    older traces.
     """
 
     request: int
@@ -167,13 +204,7 @@ class TensorEntry(_Keyed):
     max: float
     n_nan: int
     n_inf: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    summary: Summary | None = None  # its /digests row (version 3), if the writer recorded one
 
     def label(self) -> str:
         return (
@@ -220,14 +251,15 @@ class TensorEntry(_Keyed):
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class DigestEntry(_Keyed):
-    """One tensor recorded as a digest only (a row of ``/digests``; no dataset).
+    """One tensor recorded as a digest only (a row of ``/digests`` without data).
 
     Same meaning as the ``TensorEntry`` fields of the same name; ``digest``
     is ``statediff.trace.digest.digest_array`` of the tensor's storage bytes
     (32 lowercase hex digits). Two tensors with equal dtype, shape and digest
-    are treated as bit-identical.
+    are treated as bit-identical. ``summary`` holds the rest of a version-3
+    row (its ``digest`` equals ``digest``); None for a version-2 row.
     """
 
     request: int
@@ -242,18 +274,31 @@ class DigestEntry(_Keyed):
     dtype: str
     shape: tuple[int, ...]
     digest: str
+    summary: Summary | None = None
 
     def label(self) -> str:
         return (f"request {self.request} position {self.position} "
                 f"layer {self.layer} ({self.module}) {self.kind} (digest)")
 
     def to_row(self) -> tuple:
-        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
-        return (
-            self.request, self.position, self.token_start, self.layer, self.kind.encode(),
-            self.role.encode(), _utf8_prefix(self.module, 96), self.step, self.block,
-            self.dtype.encode(), len(self.shape), shape, self.digest.encode(),
-        )
+        """This digest-only tensor as a version-3 ``/digests`` row."""
+        return digest_row(self, "", self.summary or Summary(self.digest))
+
+
+def digest_row(e: "TensorEntry | DigestEntry", dataset: str, summary: Summary) -> tuple:
+    """A version-3 ``/digests`` row (``DIGEST_DTYPE``) for ``e``'s key fields and ``summary``.
+
+    ``dataset`` names the tensor's data under ``/tensors`` ("" for a digest-only tensor).
+    """
+    shape = list(e.shape) + [0] * (MAX_NDIM - len(e.shape))
+    sketch = summary.sketch if summary.sketch is not None else (float("nan"),) * SKETCH_DIM
+    return (
+        e.request, e.position, e.token_start, e.layer, e.kind.encode(),
+        e.role.encode(), _utf8_prefix(e.module, 96), e.step, e.block,
+        e.dtype.encode(), len(e.shape), shape, summary.digest.encode(),
+        dataset.encode(), summary.digest_bf16.encode(), summary.sum, summary.sumsq, summary.absmax,
+        summary.n_nan, summary.n_inf, list(sketch),
+    )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
@@ -291,6 +336,7 @@ RUN_KEYS = (
     "effective",  # what the started engine really ran with (object; docs/trace-format.md)
     "logprobs_k",  # top-k alternatives recorded per output token, or null (per request)
     "stopped",  # null, or {"request": int, "error": str, ...}: the replay stopped early (incomplete)
+    "keep",  # null, or {"policy", "budget_bytes", "focus", "kept_bytes", "kept_tensors", "digest_only_tensors"}
 )
 
 # Keys that must agree for two traces to be comparable.
@@ -346,6 +392,9 @@ def run_problem(run: dict) -> str | None:
     v = run.get("logprobs_k")
     if v is not None and not 0 <= v <= MAX_LOGPROBS_K:
         return f"run field 'logprobs_k' is {v!r}, not in 0..{MAX_LOGPROBS_K} or null"
+    v = run.get("keep")
+    if v is not None and not (isinstance(v, dict) and v.get("policy") in (None, "hits", "all", "none", "budget")):
+        return "run field 'keep' is not an object {policy: hits|all|none|budget, ...} or null"
     v = run.get("stopped")
     if v is not None and not (isinstance(v, dict) and (v.get("request") is None or (
             _is_int(v["request"]) and v["request"] >= 0)) and isinstance(v.get("error"), (str, type(None)))):

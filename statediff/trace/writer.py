@@ -1,10 +1,19 @@
-"""Crash-safe trace writer: one segment file per engine step under ``<trace>.parts/``, merged into ``<trace>`` on close.
+"""Crash-safe trace writer: tensor data written once, to the file that becomes ``<trace>``.
+
+While recording, ``<trace>.parts/`` holds ``data.h5`` (the HDF5 file every
+step's tensors are appended to; on close it gets the index, digests, requests
+and run metadata and is renamed to ``<trace>``: no data is copied) and one
+small segment file per step (index and digest rows, request snapshots, and
+where each chunk of the step lies in ``data.h5``), renamed into place once
+the step's chunks are written. A reader of the parts directory reads the
+chunks by those offsets, never through ``data.h5``'s HDF5 metadata, which a
+kill can leave half written.
 
 Writes run on a background thread, so the engine pays only for the copy of
 each tensor to host memory; a failed write stops recording, keeps what is on
 disk readable and is reported by ``close()``, never raised into the engine's
-step. ``recover`` merges what a killed recording left. Guarantees per kind of
-crash: docs/trace-format.md, "Crash safety".
+step. ``recover`` copies what a killed recording left into one file.
+Guarantees per kind of crash: docs/trace-format.md, "Crash safety".
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import concurrent.futures
 import json
 import os
 import queue
+import re
 import shutil
 import sys
 import threading
@@ -39,12 +49,15 @@ from .schema import (
     REQUEST_DATASETS,
     DigestEntry,
     TensorEntry,
+    digest_row,
     request_arrays_problem,
     request_problem,
     run_problem,
     version_for,
 )
-from .storage import create_dataset, encode, write_array
+from .storage import (DATA_FILE, FRAME_DTYPE, chunk_offsets, chunk_shape, create_dataset,
+                      create_dataset_id, encode, frame_rows, write_array, write_whole)
+from .summary import Summary
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -53,6 +66,7 @@ MIN_FREE_BYTES = 64 * 1024 * 1024
 # links and chunk indexes (~400 bytes per small tensor instead of ~3 KB with
 # the 1.6 default), readable by every HDF5 since 1.10 (h5py, h5dump 1.10, ...).
 LIBVER = ("v110", "v110")
+DIGESTS_PLAIN_BYTES = 64 * 1024  # a /digests table up to this size is stored uncompressed
 QUEUE_STEPS = 8  # steps handed over but not yet written; end_step() waits beyond this
 
 
@@ -149,6 +163,23 @@ def default_threads() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
+def _create_data_file(path: Path) -> h5py.File:
+    """The parts directory's data file, open for writing (``LIBVER``).
+
+    Without HDF5's sieve buffer: small unchunked writes reach the file at
+    once, so a write error is raised where it happens rather than when a
+    dataset handle is freed (where HDF5 cannot report it, and its library
+    shutdown then crashes on the half-closed dataset).
+    """
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(*(h5py.h5f.LIBVER_V110,) * 2)
+    fapl.set_sieve_buf_size(0)
+    fapl.set_fclose_degree(h5py.h5f.CLOSE_STRONG)
+    fcpl = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    fcpl.set_obj_track_times(False)  # no clock in the root group's header: same records, same bytes
+    return h5py.File(h5py.h5f.create(str(path).encode(), h5py.h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl))
+
+
 class TraceWriter:
     """Writes one run's trace.
 
@@ -199,8 +230,19 @@ class TraceWriter:
         self._seq = 0
         self._segments = 0  # written by the writer thread only
         self._bytes_raw = 0
+        self._index: list[np.ndarray] = []  # per segment, for the final file (writer thread)
+        self._digest_rows: list[np.ndarray] = []
+        self._n_digest_only = 0
+        self._target = DATA_FILE
         self.error: str | None = None
         self._closed = False
+        try:
+            self._data: h5py.File | None = _create_data_file(self.parts / DATA_FILE)
+            self._tensors = self._data.create_group("tensors")
+        except Exception as e:
+            shutil.rmtree(self.parts, ignore_errors=True)
+            raise TraceError(f"cannot start recording {self.path}: cannot create "
+                             f"{self.parts / DATA_FILE}: {_oserror_text(e)}") from None
         n = default_threads() if threads is None else threads
         self._pool = (concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="statediff-zstd")
                       if n > 0 else None)
@@ -211,6 +253,7 @@ class TraceWriter:
         self.update_run()
         if self.error is not None:
             self._stop_threads()
+            self._close_data()
             shutil.rmtree(self.parts, ignore_errors=True)
             raise TraceError(f"cannot start recording {self.path}: {self.error}")
         atexit.register(self._at_exit)
@@ -304,7 +347,7 @@ class TraceWriter:
 
     def add(self, array: np.ndarray, *, request: int, position: int, layer: int, kind: str,
             role: str, module: str, dtype: str, token_start: int | None = None,
-            step: int = -1, block: int = -1) -> None:
+            step: int = -1, block: int = -1, summary: Summary | None = None) -> None:
         """Queue one tensor for the current step.
 
         Args:
@@ -316,10 +359,14 @@ class TraceWriter:
             module: engine module name (UTF-8, truncated to 96 bytes).
             dtype: logical dtype name (e.g. "bfloat16").
             token_start: first token covered (K/V blocks); defaults to ``position``.
+            summary: the tensor's summary (``statediff.trace.summary``, computed
+                by the engine side on its device); stored as its ``/digests``
+                row, linked to the data. None: no row (older callers).
 
         Raises:
             TypeError, ValueError: a programming error in the caller (wrong
-                storage dtype, unknown kind/role, bad position); never for I/O.
+                storage dtype, unknown kind/role, bad position, a summary that
+                is not a ``Summary``); never for I/O.
         """
         if self.error is not None or self._closed:
             return
@@ -334,20 +381,23 @@ class TraceWriter:
         if request < 0 or position < 0 or not 0 <= start <= position:
             raise ValueError(f"{kind}: invalid request {request} / position {position} / "
                              f"token_start {start}")
+        if summary is not None and not isinstance(summary, Summary):
+            raise TypeError(f"{kind}: summary is a {type(summary).__name__}, not a Summary")
         meta = dict(request=request, position=position, layer=layer, kind=kind, role=role,
                     module=module, token_start=start, step=step, block=block, dtype=dtype,
-                    shape=tuple(array.shape), dataset=f"t{self._seq:09d}")
+                    shape=tuple(array.shape), dataset=f"t{self._seq:09d}", summary=summary)
         self._seq += 1
         self._pending.append((meta, array))
 
-    def add_digest(self, digest: str, *, request: int, position: int, layer: int, kind: str,
+    def add_digest(self, digest: str | Summary, *, request: int, position: int, layer: int, kind: str,
                    role: str, module: str, dtype: str, shape: tuple[int, ...],
                    token_start: int | None = None, step: int = -1, block: int = -1) -> None:
         """Queue one digest-only tensor for the current step (a row of ``/digests``).
 
         Args:
-            digest: ``statediff.trace.digest`` of the tensor's storage bytes, 32
-                lowercase hex digits (the engine computes it on its device).
+            digest: the tensor's ``Summary`` (the engine computes it on its
+                device), or only its digest (``statediff.trace.digest`` of the
+                storage bytes, 32 lowercase hex digits; the rest is then unknown).
             request, position, layer, kind, role, module, token_start, step, block:
                 as for ``add`` (a K/V block covers tokens ``[token_start, position)``).
             dtype: logical dtype name (e.g. "bfloat16").
@@ -361,6 +411,8 @@ class TraceWriter:
             return
         storage_dtype(dtype)  # raises on an unknown dtype
         shape = tuple(int(d) for d in shape)
+        summary = digest if isinstance(digest, Summary) else None
+        digest = summary.digest if summary is not None else digest
         if not (isinstance(digest, str) and len(digest) == 32 and set(digest) <= _HEX):
             raise ValueError(f"{kind}: digest {digest!r} is not 32 lowercase hex digits")
         if kind not in KINDS or role not in ROLES:
@@ -374,7 +426,7 @@ class TraceWriter:
         self._pending_digests.append(DigestEntry(
             request=request, position=position, token_start=start, layer=layer, kind=kind,
             role=role, module=module, step=step, block=block, dtype=dtype, shape=shape,
-            digest=digest))
+            digest=digest, summary=summary))
 
     def end_step(self) -> None:
         """Hand the tensors and request updates of this step to the writer thread.
@@ -395,13 +447,17 @@ class TraceWriter:
         self._queue.put(item)
 
     def close(self) -> dict:
-        """Flush, merge the segments into the trace file, remove the parts.
+        """Flush, finish the data file as the trace file and rename it to ``path``; remove the parts.
+
+        The tensors are already in ``<path>.parts/data.h5``: close adds the
+        index, digests, request records and run metadata, then renames it.
 
         Returns:
-            stats: ``{"tensors", "digests", "segments", "bytes_raw", "bytes_file"}``.
+            stats: ``{"tensors", "digests", "segments", "bytes_raw", "bytes_file"}``
+            (``digests``: digest-only tensors; ``segments``: steps written).
 
         Raises:
-            TraceError: a write failed during recording or while merging; the
+            TraceError: a write failed during recording or while finishing; the
                 parts directory (readable as a partial trace) is kept.
         """
         if self._closed:
@@ -411,30 +467,66 @@ class TraceWriter:
         atexit.unregister(self._at_exit)
         self._stop_threads()
         if self.error is not None:
+            self._close_data()
             raise TraceError(f"recording of {self.path} stopped early: {self.error}; "
                              f"partial trace kept in {self.parts}")
         self.update_run()
         if self.error is not None:
+            self._close_data()
             raise TraceError(f"cannot finish {self.path}: {self.error}; "
                              f"partial trace kept in {self.parts}")
-        # a replay that stopped early (run field "stopped") closes as an incomplete trace
-        stats = merge_parts(self.parts, self.path, self.requests, overwrite=True,
-                            complete=not self.run.get("stopped"), expect_segments=self._segments)
+        stats = self._finish()
         shutil.rmtree(self.parts, ignore_errors=True)
-        stats["bytes_raw"] = self._bytes_raw
         return stats
+
+    def _finish(self) -> dict:
+        """Write the trace's tables into the data file, close it and rename it to ``path``."""
+        f, data = self._data, self.parts / DATA_FILE
+        try:
+            index = (np.concatenate(self._index) if self._index else np.zeros(0, INDEX_DTYPE))
+            digests = np.concatenate(self._digest_rows) if self._digest_rows else None
+            f.attrs["format"] = FORMAT_NAME
+            f.attrs["format_version"] = version_for(digests is not None)
+            # a replay that stopped early (run field "stopped") closes as an incomplete trace
+            f.attrs["complete"] = not self.run.get("stopped")
+            write_json_attr(f.create_group("run"), "json", self.run)
+            write_array(f, "index", index, self.clevel)
+            write_digest_table(f, digests, self.clevel)
+            write_requests(f, {i: snapshot_request(r) for i, r in self.requests.items()}, self.clevel)
+            self._data = None
+            f.close()
+            os.replace(data, self.path)
+        except BaseException as e:
+            self._data = f
+            self._close_data()
+            if isinstance(e, Exception):
+                raise TraceError(f"cannot write trace {self.path}: {_oserror_text(e)}; "
+                                 f"partial trace kept in {self.parts}") from None
+            raise
+        return {"tensors": len(index), "digests": self._n_digest_only, "segments": self._segments,
+                "bytes_raw": self._bytes_raw, "bytes_file": self.path.stat().st_size}
+
+    def _close_data(self) -> None:
+        """Close the data file without finishing it (it stays in the parts directory)."""
+        f, self._data = self._data, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass  # its chunks are on disk already; the segments say where
 
     def _at_exit(self) -> None:
         """Interpreter exit without close() (e.g. Ctrl-C): write every step already handed over.
 
         The parts directory then holds every step passed to ``end_step()``
-        and stays a readable partial trace; it is not merged (that could take
-        long at exit): ``statediff recover`` does it.
+        and stays a readable partial trace; it is not finished (an error may
+        have stopped the engine half way): ``statediff recover`` makes a file of it.
         """
         if self._closed:
             return
         self._closed = True
         self._stop_threads()
+        self._close_data()
         print(f"statediff: recording of {self.path} did not finish; partial trace of "
               f"{self._segments} steps kept in {self.parts}", file=sys.stderr, flush=True)
 
@@ -469,7 +561,8 @@ class TraceWriter:
                 os.replace(tmp, final)
                 self._segments += 1
             except Exception as e:  # disk full, path removed, ...: stop, keep what is there
-                self._fail(f"cannot write {tmp.name}: {_oserror_text(e)}")
+                self._fail(f"cannot write step {self._segments} ({self._target}): "
+                           f"{_oserror_text(e)}")
                 try:
                     tmp.unlink()
                 except OSError:
@@ -477,40 +570,68 @@ class TraceWriter:
 
     def _write_segment(self, path: Path, tensors: list, reqs: dict,
                        digests: list[DigestEntry] = ()) -> None:
-        """Write one step as a complete segment file (tensors, index, digests, request snapshots).
+        """Write one step: its tensors into the data file, then its segment file.
 
         Tensors are encoded (fingerprint + compression) by the pool, up to
         ``_window`` ahead of this thread, which only does the HDF5 writes.
+        The segment (index and digest rows, request snapshots, ``/frames``:
+        where each chunk lies in the data file) is written after the chunks,
+        so a segment renamed into place only points at bytes already written.
         """
-        rows = []
+        rows, entries, frames, unchunked = [], [], [], []
+        self._target = DATA_FILE  # named if a write fails
+        jobs: collections.deque = collections.deque()
+        todo = iter(tensors)
+
+        def submit() -> None:
+            for meta, array in todo:
+                jobs.append((meta, array, self._submit(encode, array, meta["dtype"], self.clevel,
+                                                       meta.get("summary"))))
+                if len(jobs) >= self._window:
+                    break
+
+        submit()  # the pool starts compressing while the datasets are created
+        # all in one go: interleaved with compression, HDF5's structures fall out of the CPU
+        # caches and each creation costs ~3x more (~80 instead of ~25 us)
+        ids = iter([create_dataset_id(self._tensors, meta["dataset"], array.shape, array.dtype,
+                                      chunk_shape(array.shape, array.itemsize), self.clevel)
+                    for meta, array in tensors])
+        while jobs:
+            meta, array, fut = jobs.popleft()
+            enc = fut.result()
+            submit()
+            name, dsid = meta["dataset"], next(ids)
+            if enc.chunks is None:
+                if array.size:
+                    write_whole(dsid, array)
+                unchunked.append((name, dsid))
+            else:
+                for offset, frame in enc.frames:
+                    dsid.write_direct_chunk(offset, frame)
+                frames += frame_rows(dsid, name, enc.chunks, [o for o, _ in enc.frames])
+            entry = TensorEntry(**meta, **enc.fingerprint)
+            rows.append(entry.to_row())
+            entries.append(entry)
+            self._bytes_raw += array.nbytes
+        if unchunked:
+            self._data.flush()  # small unchunked data may wait in HDF5's buffers until a flush
+            for name, dsid in unchunked:
+                frames += frame_rows(dsid, name, None, [])
+        index = np.array(rows, dtype=INDEX_DTYPE)
+        digest_table = digest_rows(digests, entries)
+        self._target = path.name
         with h5py.File(path, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = version_for(bool(digests))
+            f.attrs["format_version"] = version_for(digest_table is not None)
             f.attrs["segment"] = True
-            g = f.create_group("tensors")
-            jobs: collections.deque = collections.deque()
-            todo = iter(tensors)
-            while True:
-                for meta, array in todo:
-                    jobs.append((meta, array, self._submit(encode, array, meta["dtype"], self.clevel)))
-                    if len(jobs) >= self._window:
-                        break
-                if not jobs:
-                    break
-                meta, array, fut = jobs.popleft()
-                enc = fut.result()
-                ds = create_dataset(g, meta["dataset"], array.shape, array.dtype, enc.chunks,
-                                    self.clevel)
-                if enc.chunks is None:
-                    if array.size:
-                        ds[()] = array
-                for offset, frame in enc.frames:
-                    ds.id.write_direct_chunk(offset, frame)
-                rows.append(TensorEntry(**meta, **enc.fingerprint).to_row())
-                self._bytes_raw += array.nbytes
-            write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), self.clevel)
-            write_digests(f, digests, self.clevel)
+            write_array(f, "index", index, self.clevel)
+            write_digest_table(f, digest_table, self.clevel)
+            write_array(f, "frames", np.array(frames, dtype=FRAME_DTYPE), self.clevel)
             write_requests(f, reqs, self.clevel)
+        self._index.append(index)
+        if digest_table is not None:
+            self._digest_rows.append(digest_table)
+        self._n_digest_only += len(digests)
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         if self._pool is not None:
@@ -520,9 +641,14 @@ class TraceWriter:
         return fut
 
 
+_HDF5_OS_ERROR = re.compile(r"errno = (\d+), error message = '([^']*)'")
+
+
 def _oserror_text(e: BaseException) -> str:
     """One short line: the OS reason first (HDF5 messages can be very long)."""
-    if isinstance(e, OSError) and e.strerror:
+    if m := _HDF5_OS_ERROR.search(str(e)):  # HDF5 buries the OS reason in a long line
+        text = f"{m.group(2)} (errno {m.group(1)})"
+    elif isinstance(e, OSError) and e.strerror:
         text = f"{e.strerror} (errno {e.errno})" if e.errno else e.strerror
     else:
         text = str(e) or type(e).__name__
@@ -605,10 +731,25 @@ def snapshot_request(rec: dict) -> tuple[str, dict[str, np.ndarray]]:
     return text, arrays
 
 
-def write_digests(f: h5py.File, digests: list[DigestEntry], clevel: int = 3) -> None:
-    """Write ``/digests`` (one row per digest-only tensor); nothing when there are none."""
-    if digests:
-        write_array(f, "digests", np.array([d.to_row() for d in digests], dtype=DIGEST_DTYPE), clevel)
+def digest_rows(digests: list[DigestEntry], entries: list[TensorEntry] = ()) -> np.ndarray | None:
+    """The ``/digests`` table (version 3): a row per digest-only tensor, then a row per tensor
+    with data and a summary (linked by ``dataset``); None when there are none."""
+    rows = [d.to_row() for d in digests]
+    rows += [digest_row(e, e.dataset, e.summary) for e in entries if e.summary is not None]
+    return np.array(rows, dtype=DIGEST_DTYPE) if rows else None
+
+
+def write_digests(f: h5py.File, digests: list[DigestEntry], entries: list[TensorEntry] = (),
+                  clevel: int = 3) -> None:
+    """Write ``/digests`` (``digest_rows``); nothing when there are none."""
+    write_digest_table(f, digest_rows(digests, entries), clevel)
+
+
+def write_digest_table(f: h5py.File, rows: np.ndarray | None, clevel: int = 3) -> None:
+    """Write a ``digest_rows`` table as ``/digests``; nothing for None. Compressed from
+    ``DIGESTS_PLAIN_BYTES``: in a digest-first trace this table is most of the file."""
+    if rows is not None:
+        write_array(f, "digests", rows, clevel, plain_up_to=DIGESTS_PLAIN_BYTES)
 
 
 def write_requests(f: h5py.File, reqs: dict[int, tuple[str, dict[str, np.ndarray]]],
@@ -640,14 +781,14 @@ def write_requests(f: h5py.File, reqs: dict[int, tuple[str, dict[str, np.ndarray
 
 def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
                 requests: dict[int, dict] | None = None, *, overwrite: bool = False,
-                complete: bool = True, expect_segments: int | None = None) -> dict:
-    """Merge a parts directory into one trace file (atomically creating ``out``).
+                complete: bool = True) -> dict:
+    """Copy what a parts directory holds into one trace file (atomically creating ``out``).
 
-    Only the valid prefix of segments is merged (what ``open_trace`` serves
-    for the parts directory); datasets are copied as stored (compressed
-    chunks byte for byte, nothing decoded), ~50 us per tensor.
-    ``requests`` (the writer's in-memory view) wins over the segments'
-    snapshots; without it the last snapshot of each request is used.
+    Only the valid prefix of segments is copied (what ``open_trace`` serves
+    for the parts directory); tensors are copied as stored (compressed
+    chunks byte for byte, nothing decoded), read by the offsets the segments
+    record. ``requests`` wins over the segments' snapshots; without it the
+    last snapshot of each request is used.
 
     Args:
         parts: the ``<trace>.parts`` directory.
@@ -655,8 +796,6 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
         requests: request records to store instead of the segments' snapshots.
         overwrite: replace an existing ``out``.
         complete: the root attribute ``complete`` (False for a recovered trace).
-        expect_segments: refuse to merge unless exactly this many segments are
-            valid (``close()`` knows how many it wrote; nothing is dropped silently).
 
     Returns:
         stats: ``{"tensors", "digests", "segments", "bytes_file"}``.
@@ -675,25 +814,21 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
     src = Trace(parts)
     tmp = out.with_name(out.name + ".tmp")
     try:
-        if expect_segments is not None and src.segments != expect_segments:
-            raise TraceError(
-                f"cannot merge {parts}: {expect_segments} steps were written but "
-                f"{src.segments} are readable ({src.damage or 'segments missing'})")
         if requests is None:
             requests = src.requests
-        rows = [e.to_row() for e in sorted(src.entries, key=lambda e: e.dataset)]
+        entries = sorted(src.entries, key=lambda e: e.dataset)
+        rows = [e.to_row() for e in entries]
         with h5py.File(tmp, "w", libver=LIBVER) as f:
             f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = version_for(bool(src.digests))
+            f.attrs["format_version"] = version_for(bool(src.digests) or any(
+                e.summary is not None for e in src.entries))
             f.attrs["complete"] = bool(complete)
             write_json_attr(f.create_group("run"), "json", src.run)
             tg = f.create_group("tensors")
-            for seg, names in src.datasets_by_file().items():
-                sg = src._file(seg)["tensors"]
-                for name in names:
-                    _copy_raw(sg, tg, name)
+            for e in entries:
+                _copy_stored(src._stored(e), tg, e.dataset)
             write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), 3)
-            write_digests(f, src.digests)
+            write_digests(f, src.digests, src.entries)
             write_requests(f, {i: snapshot_request(r) for i, r in requests.items()})
         os.replace(tmp, out)
         return {"tensors": len(rows), "digests": len(src.digests), "segments": src.segments,
@@ -711,9 +846,16 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
         src.close()
 
 
-def _copy_raw(src: h5py.Group, dst: h5py.Group, name: str) -> None:
-    """Copy one dataset as stored (H5Ocopy: compressed chunks are copied, never decoded)."""
-    h5py.h5o.copy(src.id, name.encode(), dst.id, name.encode())
+def _copy_stored(st, dst: h5py.Group, name: str) -> None:
+    """Copy one tensor as stored (``storage.StoredArray``): compressed chunks byte for byte."""
+    ds = create_dataset(dst, name, st.shape, st.dtype, st.chunk,
+                        st.clevel if st.chunk is not None else 3)
+    if st.chunk is None:
+        if st.nbytes:
+            write_whole(ds, st.read())
+        return
+    for offset in chunk_offsets(st.shape, st.chunk):
+        ds.id.write_direct_chunk(offset, st.raw_chunk(offset))
 
 
 def _unlink(p: Path) -> None:

@@ -276,7 +276,8 @@ def test_digest_row_holding_the_previous_block_is_named_with_its_logical_blocks(
     assert (r.digests.pairs, r.digests.identical, r.digests.unjudged) == (4, 3, 0)
     text = r.to_text()
     assert f"  digest differs: hit {d.digests[0]}, cold {d.digests[1]} (recorded as a digest only" in text
-    assert "digests: 4 digest-only blocks paired, 3 bit-identical" in text
+    assert ("digests: 4 pairs with a side recorded as a digest only (no data): 4 judged by digest (3 "
+            "bit-identical), 0 by sketch estimate (0 beyond tolerance), 0 unjudged") in text
     # default replay: a digest cannot be held against a tolerance, but matching another cold
     # block bit for bit is no rounding: still a divergence, with the same diagnosis
     d2 = tmp_path / "default"

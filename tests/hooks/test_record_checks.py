@@ -22,24 +22,12 @@ from statediff_hooks.enginelog import classify, engine_output
 from statediff_hooks.precheck import fit_max_model_len
 from statediff_hooks.tiny.model import MARKER_NAME, tiny_config, write_model_dir
 
+from no_engine import no_engine  # noqa: F401  the fixture
 from conftest import run_cli
 
 
 class EngineStarted(Exception):
     pass
-
-
-@pytest.fixture
-def no_engine(monkeypatch):
-    """Replace the replay (the only way `record` starts vLLM) by one that keeps its arguments."""
-    calls = []
-
-    def fake_replay(turns, kw, **rest):
-        calls.append({"turns": turns, "kw": kw, **rest})
-        raise StatediffError("engine would start here")
-
-    monkeypatch.setattr("statediff_hooks.vllm.replay.replay", fake_replay)
-    return calls
 
 
 def record(*args: str):

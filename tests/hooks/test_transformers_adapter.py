@@ -31,6 +31,7 @@ from statediff.errors import StatediffError, TraceError
 from statediff.trace import open_trace
 from statediff_hooks.transformers import prefix_store as hf_cache
 from statediff_hooks.drivers.demo import demo_conversation
+from statediff_hooks.keep import KeepSpec
 from statediff_hooks.transformers.dflash import Acceptance, greedy_accepted
 from statediff_hooks.tiny.model import build_tiny_model
 from statediff_hooks.transformers.adapter import config_digest, plan_chunks, record_transformers
@@ -50,6 +51,7 @@ class Runs:
     def get(self, name, mode, **kw):
         if name not in self.done:
             out = self.root / f"{name}.h5"
+            kw.setdefault("keep", KeepSpec("all"))  # these tests read the data of every captured tensor
             res = record_transformers(demo_conversation(MAX_TOKENS)[:N_REQ], self.model, trace=out, mode=mode,
                                       exact=True, drafter="dflash", threads=1, overwrite=True, **kw)
             self.done[name] = (out, res)
@@ -303,7 +305,9 @@ def test_verify_loop_accepts_rolls_back_and_stays_lossless(model_dir, monkeypatc
                                  "accepted_per_position": [3, 3, 2], "mean_acceptance_length": 1 + 8 / 3}
     assert res.chunks[0][-3:] == [[P, P + 4], [P + 4, P + 7], [P + 7, P + 11]]
     with open_trace(tmp_path / "o.h5") as t:
-        assert sorted(e.position for e in t.entries if e.kind == "drafter.logits") == [P + 1, P + 5, P + 8]
+        # recorded under the default keep policy: request 0 has no hit, so digests only
+        assert [e.position for e in t.entries] == []
+        assert sorted(e.position for e in t.digests if e.kind == "drafter.logits") == [P + 1, P + 5, P + 8]
         assert t.requests[0]["acceptance"] == res.acceptance[0]
         assert t.requests[0]["spec_steps"] == [[P + 1, ref_out[1:4], 3],
                                                [P + 5, ref_out[5:7] + [(ref_out[7] + 1) % 1024], 2],
@@ -363,6 +367,32 @@ def test_kv_remap_faults_make_the_resumed_block_the_one_before_it(runs, fault):
             assert resumed.hash != c[(1, 448, 3, kind)].hash
     result = compare(path, cold_path)
     assert result.exit_code == 1 and result.first.key == (1, 448, 3, "attn.k") and result.first.root
+
+
+@pytest.mark.parametrize("fault,root", [
+    ("ssm-bf16", (1, 448, 0, "gdn.ssm_state")),
+    ("kv-stale", (1, 448, 3, "attn.k")),
+    ("drafter-perturb:layer=3", (1, 449, 3, "drafter.input")),
+])
+def test_digest_only_recordings_name_the_same_root_and_diagnosis(runs, fault, root):
+    """The same Recorder path as vLLM: `keep=none` (summaries only) against `keep=all` (data)."""
+    none = KeepSpec("none")
+    hit_none, _ = runs.get(f"fault-{fault}-none", "hit", fault=fault, keep=none)
+    cold_none, _ = runs.get("cold-none", "cold", keep=none)
+    with open_trace(hit_none) as t:
+        assert t.entries == [] and t.run["keep"]["kept_tensors"] == 0 and len(t.digests) > 100
+    name = "fault-drafter" if fault.startswith("drafter") else f"fault-{fault}"  # the names the tests above use
+    data = compare(runs.get(name, "hit", fault=fault)[0], runs.get("cold", "cold")[0])
+    digests = compare(hit_none, cold_none)
+    assert data.exit_code == digests.exit_code == 1
+    assert data.first.key == digests.first.key == root
+    # drafter-perturb: request 2's draft logits are a second root either way (the test below says why)
+    assert [d.key for d in data.roots] == [d.key for d in digests.roots]
+    assert data.roots[0].key == root and len(data.roots) == (2 if root[3] == "drafter.input" else 1)
+    assert [d.to_json() for d in data.diagnoses] == [d.to_json() for d in digests.diagnoses]
+    if fault == "ssm-bf16":  # from the cold summary's bf16 digest: no data on either side
+        assert digests.diagnoses[0].finding == "bf16_rounded"
+        assert "matches the cold state rounded to bfloat16" in digests.diagnoses[0].text
 
 
 def test_drafter_perturb_is_a_drafter_input_root_that_leaves_the_target_alone(runs):
@@ -430,7 +460,7 @@ def test_cross_engine_states_agree_within_noise(recordings, tiny_model, tmp_path
     vllm_cold = recordings.get("cold", "cold", "--exact")
     tf_cold = tmp_path / "tf-cold.h5"
     res = record_transformers(demo_conversation(16)[:2], tiny_model, trace=tf_cold, mode="cold", exact=True,
-                              threads=1)
+                              threads=1, keep=KeepSpec("all"))
     r = CliRunner().invoke(cli, ["compare", str(tf_cold), str(vllm_cold), "--allow-engine-mismatch", "--json"])
     assert r.exit_code in (0, 1), r.output
     doc = json.loads(r.stdout)

@@ -27,7 +27,7 @@ import zstandard
 
 from statediff.trace import TraceWriter
 from statediff.trace.digest import digest_array
-from statediff.trace.schema import DIGEST_DTYPE, INDEX_DTYPE, MAX_JSON_BYTES
+from statediff.trace.schema import DIGEST_DTYPE, FORMAT_VERSION, INDEX_DTYPE, MAX_JSON_BYTES
 
 # -- the valid trace everything starts from ------------------------------------
 
@@ -52,7 +52,9 @@ LOGPROBS = ([-0.5, -1.25], [[7, 3], [9, 8]], [[-0.5, -2.0], [-0.75, -1.25]])
 
 def write_valid(path: Path, **writer_kw) -> Path:
     """A small complete trace: 2 requests, the 4 tensors of TENSORS and 2 digests in 2 steps."""
-    w = TraceWriter(path, {"engine": "synthetic", "mode": "cold", "block_size": 16}, **writer_kw)
+    # a fixed creation time: the fuzz tier mutates these bytes, so its examples stay the same every run
+    w = TraceWriter(path, {"engine": "synthetic", "mode": "cold", "block_size": 16,
+                           "created_unix": 1764460800}, **writer_kw)
     w.begin_request(0, "req-0", list(range(40)), cache_salt="s0")
     w.begin_request(1, "req-1", list(range(10, 30)))
     for i, (name, (arr, dtype, kind, role, layer, pos, start)) in enumerate(TENSORS.items()):
@@ -203,9 +205,9 @@ def format_attr_int(d: Path) -> Path:
     return _edit(d, "fmtint.h5", _set_attr("/", "format", 7))
 
 
-@case("has trace format version 3; this statediff reads up to version 2 (upgrade statediff)")
+@case("has trace format version 4; this statediff reads up to version 3 (upgrade statediff)")
 def newer_format_version(d: Path) -> Path:
-    return _edit(d, "v3.h5", _set_attr("/", "format_version", 3))
+    return _edit(d, "v4.h5", _set_attr("/", "format_version", FORMAT_VERSION + 1))
 
 
 @case("invalid trace format version 0")
@@ -1043,9 +1045,10 @@ def _segment_with_bad_digests(d: Path) -> Path:
         block, req, pos = DIGESTS[0]
         row = np.zeros(1, DIGEST_DTYPE)
         row[0] = (req, pos, pos - 16, 1, b"attn.k", b"guess", b"m", 1, 3, b"bfloat16", 3,
-                  list(block.shape) + [0] * 5, digest_array(block).encode())
+                  list(block.shape) + [0] * 5, digest_array(block).encode(), b"", b"",
+                  0.0, 0.0, 0.0, 0, 0, [0.0] * 16)
         f.create_dataset("digests", data=row)
-        f.attrs["format_version"] = 2  # a segment without digests is written as version 1
+        f.attrs["format_version"] = 3  # a segment without digests is written as version 1
     return p
 
 

@@ -197,3 +197,196 @@ def test_fuzz_mutated_segment_is_read_or_refused(valid_parts: Path, mutations, s
         seg = parts / segment
         seg.write_bytes(_mutate(seg.read_bytes(), mutations))
         _open_and_read_everything(parts)
+
+
+# -- version 3: /digests rows that summarise tensors with data -------------------------------------
+# (built here rather than in the corpus: the corpus's valid trace has no summaries)
+
+
+def _summary_trace(path: Path) -> Path:
+    """A valid version-3 trace: the corpus tensors with their summaries (linked /digests rows) but
+    the 0-d one (a tensor without a summary is valid too), one digest-only row with a summary and
+    one with only a digest."""
+    from hostile.corpus import DIGESTS
+    from statediff.trace import TraceWriter
+    from statediff.trace.summary import summarize
+
+    w = TraceWriter(path, {"engine": "synthetic", "mode": "cold", "block_size": 16})
+    w.begin_request(0, "req-0", list(range(40)))
+    w.begin_request(1, "req-1", list(range(10, 30)))
+    for i, (name, (arr, dtype, kind, role, layer, pos, start)) in enumerate(TENSORS.items()):
+        w.add(arr, request=i // 2, position=pos, layer=layer, kind=kind, role=role,
+              module=f"model.layers.{layer}", dtype=dtype, token_start=start, step=0,
+              summary=summarize(arr, dtype) if arr.ndim else None)
+    for k, (block, req, pos) in enumerate(DIGESTS):
+        w.add_digest(summarize(block, "bfloat16") if k == 0 else summarize(block, "bfloat16").digest,
+                     request=req, position=pos, token_start=pos - 16, layer=1, kind="attn.k",
+                     role="resumed", module="model.layers.1", dtype="bfloat16", shape=block.shape,
+                     step=0, block=3)
+    w.end_step()
+    w.close()
+    return path
+
+
+def _edit_summary_rows(path: Path, edit) -> Path:
+    """Apply ``edit(rows)`` to the /digests table of ``path`` (rewritten with the same layout)."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        rows = f["digests"][()]
+        rows = edit(rows) if edit is not None else rows
+        del f["digests"]
+        f.create_dataset("digests", data=rows)
+    return path
+
+
+def _linked(rows, dataset: bytes = b"t000000000") -> int:
+    """Row number of the /digests row linked to ``dataset``."""
+    return int(next(i for i, d in enumerate(rows["dataset"].tolist()) if d == dataset))
+
+
+def _set(field: str, value, dataset: bytes = b"t000000000"):
+    def edit(rows):
+        rows[field][_linked(rows, dataset)] = value
+        return rows
+    return edit
+
+
+def _twice(rows):
+    import numpy as np
+
+    n = _linked(rows)
+    return np.concatenate([rows, rows[n:n + 1]])
+
+
+def _swap_links(rows):
+    a, b = _linked(rows, b"t000000000"), _linked(rows, b"t000000001")
+    rows["dataset"][a], rows["dataset"][b] = b"t000000001", b"t000000000"
+    return rows
+
+
+SUMMARY_CASES = {
+    # name: (edit of the /digests rows, fragment of the one-line refusal)
+    "link_not_a_dataset_name": (_set("dataset", b"../tensors/t0"), "dataset name is not t<digits>"),
+    "link_with_trailing_text": (_set("dataset", b"t000000000x"), "dataset name is not t<digits>"),
+    "link_to_a_missing_tensor": (_set("dataset", b"t000000099"),
+                                 "/digests names dataset t000000099, which is not in the index"),
+    "two_rows_for_one_tensor": (_twice, "dataset t000000000 has two /digests rows"),
+    "link_to_the_wrong_tensor": (_swap_links, "disagrees with its index row on"),
+    "linked_row_other_position": (_set("position", 40), "disagrees with its index row on position"),
+    "linked_row_other_layer": (_set("layer", 5), "disagrees with its index row on layer"),
+    "linked_row_other_kind": (_set("kind", b"gdn.conv_state"), "disagrees with its index row on kind"),
+    # t000000000 is float32 with a bf16 digest: another dtype is refused for carrying one
+    "linked_row_other_dtype": (_set("dtype", b"float16"), "digest_bf16 on a float16 tensor"),
+    "linked_row_other_shape": (_set("shape", [8, 4, 0, 0, 0, 0, 0, 0]),
+                               "disagrees with its index row on shape"),
+    "linked_row_other_token_start": (_set("token_start", 0), "disagrees with its index row on token_start"),
+    "n_nan_below_minus_1": (_set("n_nan", -2), "NaN/Inf counts below -1 (-2, 0)"),
+    "n_inf_below_minus_1": (_set("n_inf", -(1 << 62)), "NaN/Inf counts below -1"),
+    "digest_bf16_uppercase": (_set("digest_bf16", b"A" * 32),
+                              "digest_bf16 is neither empty nor 32 lowercase hex digits"),
+    "digest_bf16_short": (_set("digest_bf16", b"0123"),
+                          "digest_bf16 is neither empty nor 32 lowercase hex digits"),
+    "digest_bf16_not_ascii": (_set("digest_bf16", b"\xff" * 32), "digest_bf16"),
+    "linked_digest_not_hex": (_set("digest", b"g" * 32), "digest is not 32 lowercase hex digits"),
+    "linked_digest_empty": (_set("digest", b""), "digest is not 32 lowercase hex digits"),
+}
+
+
+@pytest.mark.parametrize("name", list(SUMMARY_CASES))
+def test_summary_rows_are_refused(tmp_path: Path, name: str) -> None:
+    edit, fragment = SUMMARY_CASES[name]
+    path = _edit_summary_rows(_summary_trace(tmp_path / f"{name}.h5"), edit)
+    with pytest.raises(TraceError) as info:
+        open_trace(path)
+    msg = _one_line(info.value)
+    assert fragment in msg and path.name in msg, msg
+
+
+def test_summary_layout_must_match_the_version(tmp_path: Path) -> None:
+    import h5py
+    import numpy as np
+
+    from statediff.trace.schema import DIGEST_DTYPE_V2
+
+    v3 = _summary_trace(tmp_path / "v3.h5")
+    with h5py.File(v3, "r+") as f:  # a version-3 file with the version-2 layout
+        rows = f["digests"][()]
+        del f["digests"]
+        f.create_dataset("digests", data=rows[list(DIGEST_DTYPE_V2.names)].astype(DIGEST_DTYPE_V2))
+    with pytest.raises(TraceError, match="/digests has an unexpected record layout"):
+        open_trace(v3)
+    v2 = _summary_trace(tmp_path / "v2.h5")
+    with h5py.File(v2, "r+") as f:  # a version-2 file with the version-3 layout
+        f.attrs["format_version"] = 2
+    with pytest.raises(TraceError, match="/digests has an unexpected record layout"):
+        open_trace(v2)
+    assert np.dtype(DIGEST_DTYPE_V2).itemsize == 281
+
+
+def test_valid_summary_trace_reads_back(tmp_path: Path) -> None:
+    """The base of the cases above is itself valid: summaries attach to their tensors."""
+    from statediff.trace.summary import summarize
+
+    path = _summary_trace(tmp_path / "ok.h5")
+    with open_trace(path) as t:
+        assert t.format_version == 3
+        for e in t.entries:
+            arr = TENSORS[e.dataset][0]
+            if arr.ndim == 0:
+                assert e.summary is None and e.digest_value is None
+                continue
+            assert e.summary == summarize(arr, e.dtype)
+            assert e.digest_value == e.summary.digest
+        known, digest_only = t.digests
+        assert known.summary is not None and known.summary.sketch is not None
+        assert digest_only.summary is None and digest_only.digest_value == digest_only.digest
+
+
+def test_summary_values_a_writer_can_produce_are_accepted(tmp_path: Path) -> None:
+    """Unknown fields (NaN moments, -1 counts, an all-NaN sketch) and non-finite sums (float64 data
+    can overflow them; a float32 sketch of huge values rounds to +-Inf) are read as they are."""
+    import math
+
+    inf, nan = float("inf"), float("nan")
+
+    def edit(rows):
+        n = _linked(rows)
+        rows["sum"][n], rows["sumsq"][n], rows["absmax"][n] = nan, nan, nan
+        rows["n_nan"][n], rows["n_inf"][n] = -1, -1
+        rows["sketch"][n] = [nan] * 16
+        m = _linked(rows, b"t000000001")
+        rows["sum"][m], rows["sumsq"][m] = -inf, inf
+        rows["sketch"][m][3] = inf
+        return rows
+
+    path = _edit_summary_rows(_summary_trace(tmp_path / "edge.h5"), edit)
+    with open_trace(path) as t:
+        by = {e.dataset: e.summary for e in t.entries}
+    a, b = by["t000000000"], by["t000000001"]
+    assert a.sketch is None and not a.known_moments and math.isnan(a.absmax)
+    assert b.sum == -inf and b.sumsq == inf and b.sketch[3] == inf
+
+
+def test_partly_nan_sketch_is_refused(tmp_path: Path) -> None:
+    def edit(rows):
+        rows["sketch"][_linked(rows)][5] = float("nan")
+        return rows
+
+    path = _edit_summary_rows(_summary_trace(tmp_path / "partnan.h5"), edit)
+    with pytest.raises(TraceError, match="sketch is partly NaN"):
+        open_trace(path)
+
+
+@pytest.fixture(scope="module")
+def valid_summary_bytes(tmp_path_factory) -> bytes:
+    return _summary_trace(tmp_path_factory.mktemp("fuzz3") / "base3.h5").read_bytes()
+
+
+@_fuzz(max(20, FUZZ_EXAMPLES // 5))
+@given(st.lists(_mutation, min_size=1, max_size=12))
+def test_fuzz_mutated_summary_trace_is_read_or_refused(valid_summary_bytes: bytes, mutations) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "fuzzed3.h5"
+        path.write_bytes(_mutate(valid_summary_bytes, mutations))
+        _open_and_read_everything(path)

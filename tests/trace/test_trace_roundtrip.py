@@ -366,11 +366,11 @@ def test_digests_round_trip_through_segments_merge_and_parts(tmp_path: Path) -> 
     while not (w.parts / "seg-00000001.h5").exists() and time.monotonic() < deadline:
         time.sleep(0.01)  # the writer thread renames a segment into place when it is whole
     with open_trace(w.parts) as t:  # the partial trace (a killed recording) has them too
-        assert len(t.digests) == 4 and t.format_version == 2
+        assert len(t.digests) == 4 and t.format_version == 3
     stats = w.close()
     assert stats["digests"] == 4 and stats["tensors"] == 1
     with open_trace(path) as t:
-        assert t.format_version == FORMAT_VERSION == 2  # /digests needs version 2
+        assert t.format_version == FORMAT_VERSION == 3  # /digests rows are written as version 3
         assert [d.key for d in t.digests] == [(0, 32, 3, "attn.k"), (0, 32, 3, "attn.v"),
                                              (0, 64, 3, "attn.k"), (0, 96, 3, "attn.k")]
         d = t.digests[0]
@@ -381,7 +381,7 @@ def test_digests_round_trip_through_segments_merge_and_parts(tmp_path: Path) -> 
         # a full tensor and a digest of the same bytes agree: what compare relies on
         assert digest_array(t.read(t.entries[0])) == digest_array(blocks[3])
     with h5py.File(path, "r") as f:
-        assert f["digests"].dtype.itemsize == 281 and f["digests"].shape == (4,)
+        assert f["digests"].dtype.itemsize == 449 and f["digests"].shape == (4,)
 
 
 def test_version_1_traces_still_read(tmp_path: Path) -> None:

@@ -59,13 +59,17 @@ def spec_run(tmp_path_factory):
     _conversation(quirk, same_last_token=False)
     spec = json.dumps({"method": "eagle3", "model": str(eagle), "num_speculative_tokens": K})
     jobs, out = [], {"dense": dense, "eagle": eagle}
+    fault = ["--fault", "drafter-perturb:layer=2"]
+    # --keep all: these tests read the data of every captured tensor; the -none twins hold digests only
     for name, c, mode, extra in (("hit", conv, "hit", []), ("cold", conv, "cold", []),
-                                 ("fault", conv, "hit", ["--fault", "drafter-perturb:layer=2"]),
-                                 ("quirk-hit", quirk, "hit", []), ("quirk-cold", quirk, "cold", [])):
+                                 ("fault", conv, "hit", fault),
+                                 ("quirk-hit", quirk, "hit", []), ("quirk-cold", quirk, "cold", []),
+                                 ("cold-none", conv, "cold", ["--keep", "none"]),
+                                 ("fault-none", conv, "hit", [*fault, "--keep", "none"])):
         out[name] = root / f"{name}.h5"
         jobs.append(["record", str(c), "--model", str(dense), "--speculative-config", spec,
                      "--block-size", str(BLOCK), "--enforce-eager", "--exact", "--mode", mode,
-                     "-o", str(out[name]), "--no-progress", *extra])
+                     "-o", str(out[name]), "--no-progress", "--keep", "all", *extra])
     driver = ("import json, sys\nfrom statediff.cli import cli\n"
               "codes = [cli.main(a, standalone_mode=False) for a in json.loads(sys.argv[1])]\n"
               "print('CODES=' + json.dumps(codes))\n")
@@ -237,6 +241,23 @@ def test_drafter_perturb_fault_is_named_exactly(spec_run):
         [(1, HITS[1] + i, 2, "drafter.input") for i in range(1, 5)]
     assert {(d["layer"], d["kind"]) for d in rep["all"][4:]} <= {(DRAFTER_ATTN, "attn.k"), (DRAFTER_ATTN, "attn.v")}
     assert all(d["request"] >= 1 for d in rep["all"])  # request 0 ran before the fault
+
+
+@pytest.mark.vllm
+def test_drafter_perturb_is_named_alike_from_digests_only(spec_run):
+    """``--keep none`` on both sides: the same root, roots and diagnosis as with every tensor's data."""
+    _, data, _ = _compare(spec_run["fault"], spec_run["cold"])
+    code, digests, err = _compare(spec_run["fault-none"], spec_run["cold-none"])
+    assert code == 1, err
+    with open_trace(spec_run["fault-none"]) as t:
+        assert t.entries == [] and t.run["keep"]["policy"] == "none"
+    key = ("request", "position", "layer", "kind", "role_hit", "root")
+    assert tuple(digests["first"][k] for k in key) == tuple(data["first"][k] for k in key) == \
+        (1, HITS[1] + 1, 2, "drafter.input", "drafter", True)
+    assert [[d[k] for k in key] for d in digests["roots"]] == [[d[k] for k in key] for d in data["roots"]]
+    assert digests["diagnosis"] == data["diagnosis"]
+    assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in digests["all"][:4]] == \
+        [(1, HITS[1] + i, 2, "drafter.input") for i in range(1, 5)]
 
 
 @pytest.mark.vllm
