@@ -776,16 +776,13 @@ def report(res: dict, args) -> str:
              f"**{'met' if ratio >= GOALS['ratio'] else 'not met'}** ({ratio:,.0f}x; it needs <= {need:.0f} B "
              f"per row). A row is {res['row_raw']} B before compression; what does not compress is the two "
              "128-bit digests, the three float64 moments and the 16 float32 sketch values (~120 B of "
-             "entropy). Measured on a table of 8,192+ rows: `/digests` tables up to 1 MiB (~2,300 rows, 18 "
-             "boundaries of the 27B-class model) are stored uncompressed (`storage.write_array`), 449 B per "
-             f"row, so a short `none` trace is only "
-             f"{big['bytes']['all'] / (res['row_raw'] * big['bytes']['tensors']):,.0f}x "
-             "smaller per boundary.")
+             "entropy). Measured on a table of 8,192+ rows; `/digests` tables up to 64 KiB (~145 rows, about "
+             "one 27B-class boundary) are stored uncompressed (`writer.DIGESTS_PLAIN_BYTES`), 449 B per row.")
     # 2. engine side
     L += ["", "### Engine-side time per boundary (CPU)", "",
           "What the recording thread pays per boundary of one request on this CPU (torch, "
           f"{res['threads']} threads): the summary of every tensor (`statediff_hooks.digest.summarize_tensor`, "
-          "one call per tensor as the vLLM adapter makes them) against today's path (`to_host` copy, "
+          "one call per tensor) against today's path (`to_host` copy, "
           "`TraceWriter.add`, `end_step`); the writer then compresses today's data on its own threads "
           "(last column, wall time per boundary until `close`). Minimum of the repetitions.", "",
           "| model | summaries (digest-first) | per tensor: SSM / conv / K / V (ms) | today: copy + add + "
@@ -826,7 +823,7 @@ def report(res: dict, args) -> str:
           "(temporaries included; views free; a gather reads only the rows it gathers; no credit for "
           "the GPU's L2 cache). Per-length caches (digest weights, sign keys, the sign table) are built "
           "once and only read at every boundary. Kernels: aten ops issued. \"Per tensor\": one call per "
-          "tensor, as the vLLM adapter calls it; \"batched\": one `[B, ...]` call per kind and boundary "
+          "tensor; \"batched\": one `[B, ...]` call per kind and boundary, as the vLLM adapter now makes them "
           "(counted on up to 16 rows, scaled).", "",
           "| tensor | data | read | written | traffic / data | kernels per tensor | kernels per tensor, "
           "batched | to host |",
@@ -873,11 +870,11 @@ def report(res: dict, args) -> str:
              "element, written by the gather and read by the matmul) for the sketch. Top ops by traffic for "
              "one SSM state: " + ", ".join(f"`{n}` {fmt_bytes(b)}" for n, b in top) + ". Even so, the "
              f"bandwidth-bound cost is {bw['H200'] / t_bound:.0%} of a boundary's prefill on an H200. Issuing "
-             f"the ops one tensor at a time costs {kern * res['op_us'] / 1e6 / bw['H200']:.1f}x that in eager "
+             f"the ops one tensor at a time would cost {kern * res['op_us'] / 1e6 / bw['H200']:.1f}x that in eager "
              "mode (the per-op figure is this "
              "CPU's Python + dispatcher time for a tiny op, a lower bound: a CUDA launch adds to it, and "
              "the GPU method waits for each tensor's result before the next); one call per kind and "
-             f"boundary cuts it to {bk * res['op_us'] / 1e3:.1f} ms. A sketch without the sign matrix "
+             f"boundary (what the vLLM adapter does: it stacks a step's checkpoints and K/V blocks by dtype and shape) cuts it to {bk * res['op_us'] / 1e3:.1f} ms. A sketch without the sign matrix "
              "(a scatter-add of the values into 65,536 buckets by sign key, then one [65536, 16] product, "
              "as the CPU method does with 2 x 256 buckets) would remove most of the sketch's traffic; a "
              f"fused kernel would read the data once ({data / HBM['H200'] * 1e3:.2f} ms per boundary on an "

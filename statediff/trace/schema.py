@@ -393,8 +393,8 @@ def run_problem(run: dict) -> str | None:
     if v is not None and not 0 <= v <= MAX_LOGPROBS_K:
         return f"run field 'logprobs_k' is {v!r}, not in 0..{MAX_LOGPROBS_K} or null"
     v = run.get("keep")
-    if v is not None and not (isinstance(v, dict) and v.get("policy") in (None, "hits", "all", "none", "budget")):
-        return "run field 'keep' is not an object {policy: hits|all|none|budget, ...} or null"
+    if v is not None and not (isinstance(v, dict) and isinstance(v.get("policy"), (str, type(None)))):
+        return "run field 'keep' is not an object {policy: string, ...} or null"
     v = run.get("stopped")
     if v is not None and not (isinstance(v, dict) and (v.get("request") is None or (
             _is_int(v["request"]) and v["request"] >= 0)) and isinstance(v.get("error"), (str, type(None)))):
