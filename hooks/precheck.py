@@ -286,15 +286,23 @@ def precheck(turns: list[Turn], model: str, *, source: str, max_model_len: int |
     return Checked(files, prompts, mml)
 
 
-def check_focus(focus: Any, turns: list[Turn], prompts: list[list[int]], source: str) -> None:
-    """A ``--focus request=R,position=P`` that the replay can reach (``keep.Focus``).
+def check_focus(focus: Any, turns: list[Turn], prompts: list[list[int]], source: str,
+                config: dict | None = None) -> None:
+    """A ``--focus request=R,position=P[,layers=..]`` that the replay can reach (``keep.Focus``).
 
     Raises:
-        StatediffError: request ``R`` is not in the conversation, or position ``P`` is
-            past the request's prompt plus its ``max_tokens``.
+        StatediffError: request ``R`` is not in the conversation, position ``P`` is
+            past the request's prompt plus its ``max_tokens``, or a listed layer is not
+            one of the model's (``num_hidden_layers`` of ``config``; -1, the drafter, passes).
     """
     if focus is None:
         return
+    cfg = config or {}
+    n_layers = cfg.get("num_hidden_layers", (cfg.get("text_config") or {}).get("num_hidden_layers"))
+    if focus.layers and isinstance(n_layers, int):
+        bad = [layer for layer in focus.layers if not -1 <= layer < n_layers]
+        if bad:
+            raise StatediffError(f"--focus layers {bad[0]}: the model has layers 0..{n_layers - 1}")
     r, p = focus.request, focus.position
     if r >= len(turns):
         raise StatediffError(f"--focus request {r}: {source} has {len(turns)} requests (0..{len(turns) - 1})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -217,7 +218,7 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
         checked = precheck(turns, model_dir, source=source, max_model_len=max_model_len,
                            block_size=block_size, fit_length=engine == "vllm")
         model_files = checked.model
-        check_focus(keep_spec.focus, turns, checked.prompts, source)
+        check_focus(keep_spec.focus, turns, checked.prompts, source, model_files.config)
     if engine == "transformers":
         return _record_transformers(turns, model_dir, output=output, mode=mode, exact=exact,
                                     exact_split=exact_split, fault=fault, drafter=drafter,
@@ -327,26 +328,51 @@ def keep_options(keep: str, focus: str | None, focus_check: str | None, *, mode:
             raise StatediffError(f"--focus-check {reference} is the output: write the re-record elsewhere")
         try:
             with open_trace(reference) as t:
-                ref_mode = t.run.get("mode")
+                ref_mode, ref_argv = t.run.get("mode"), t.run.get("record_argv")
         except TraceError as e:
             raise StatediffError(f"the earlier trace to check the replay against: {e}") from None
         if ref_mode != mode:
             raise StatediffError(f"{reference} is a {ref_mode}-mode trace; a --mode {mode} re-record is checked "
                                  f"against the {mode}-mode trace (--focus-check OLD.h5)")
+        _same_arguments(reference, ref_argv)
     return spec, reference
+
+
+def _same_arguments(reference: str, ref_argv: Any) -> None:
+    """Refuse, before any engine starts, a focused re-record whose arguments differ from those
+    ``reference`` was recorded with (its ``record_argv``): it would replay another run, and its
+    digest check could only say so after the whole replay.
+
+    Raises:
+        StatediffError: the first differing argument, and the command line to use.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or not isinstance(ref_argv, list) or not all(isinstance(w, str) for w in ref_argv):
+        return  # called as a library, or recorded by another writer: the digest check after the replay decides
+    now = record_argv(ctx)
+    if now == ref_argv:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(now, ref_argv)) if a != b), min(len(now), len(ref_argv)))
+    if 0 < k < len(now) and not now[k].startswith("-") and now[k - 1].startswith("--"):
+        k -= 1  # a differing value: show it with its option
+    here, there = (" ".join(w[k:k + 2]) or "nothing" for w in (now, ref_argv))
+    raise StatediffError(
+        f"--focus-check {reference} was recorded with other arguments ({there!r} where this command has "
+        f"{here!r}): a focused re-record must replay the same run; use: statediff record "
+        f"{shlex.join(ref_argv)} --mode ... -o ... --focus ... --focus-check {reference}")
 
 
 def _after_record(output: str, reference: str | None) -> int:
     """What the keep policy kept; for a focused re-record, the digest check. Returns the exit code."""
     from statediff.trace import open_trace
-    from statediff_hooks.keep import check_replay
+    from statediff_hooks.keep import Focus, check_replay
 
     with open_trace(output) as t:
         k = t.run.get("keep") or {}
     if k:
         click.echo(f"  kept: {k.get('kept_tensors')} tensors with data ({k.get('kept_bytes', 0) / 1e6:.1f} MB "
                    f"raw), {k.get('digest_only_tensors')} digest only (--keep {k.get('policy')}"
-                   + (f", focus {k['focus']}" if k.get("focus") else "") + ")")
+                   + (f", focus {Focus.from_json(k['focus']).spec}" if k.get("focus") else "") + ")")
     if reference is None:
         return 0
     check = check_replay(output, reference)

@@ -336,6 +336,25 @@ def _check_digest_row(row: np.void, version: int, label: str) -> None:
     raise TraceError(f"{label}: invalid row")
 
 
+def _check_keep_counts(run: dict, entries: int, digests: int, where: Path) -> None:
+    """A file whose tables hold other counts than its run field ``keep`` says it recorded (a
+    truncated or edited ``/index`` or ``/digests``; bundles, run field ``extracted_from``, hold
+    a subset and are not checked) is refused: compare would read missing
+    rows as "not captured" and send the user after the wrong cause.
+
+    Raises:
+        TraceError: ``keep.kept_tensors`` or ``keep.digest_only_tensors`` disagrees.
+    """
+    keep = run.get("keep")
+    if not isinstance(keep, dict) or run.get("extracted_from") is not None:  # a bundle holds a subset
+        return
+    for field, have, table in (("kept_tensors", entries, "/index"), ("digest_only_tensors", digests, "/digests")):
+        want = keep.get(field)
+        if isinstance(want, int) and not isinstance(want, bool) and want != have:
+            raise TraceError(f"{where}: run field keep.{field} is {want} but {table} holds {have} such "
+                             "tensors (a table was cut or edited)")
+
+
 def _summary(row: np.void, digest: str, label: str) -> Summary:
     """The summary fields of a version-3 ``/digests`` row, validated."""
     bf16 = _decode(row["digest_bf16"], "digest_bf16", label)
@@ -689,6 +708,7 @@ class Trace:
         self.digests, linked = _read_digests(f, p, self.format_version)
         self.entries = _attach(self._entries(f, p), linked, p)
         self.requests = _read_requests(f, p)
+        _check_keep_counts(self.run, len(self.entries), len(self.digests), p)
 
     def _open_parts(self, d: Path) -> None:
         self.partial = True

@@ -141,3 +141,24 @@ def test_the_keep_policy_reaches_engine_processes_through_the_environment():
     assert RecorderConfig.from_env({"STATEDIFF_TRACE": "t.h5"}).keep == KeepSpec("hits")
     with pytest.raises(ValueError, match="STATEDIFF_FOCUS: request must be a non-negative integer"):
         RecorderConfig.from_env({"STATEDIFF_TRACE": "t.h5", "STATEDIFF_FOCUS": '{"request": -1, "position": 0}'})
+
+
+def test_a_re_record_with_other_arguments_than_the_reference_is_refused_before_the_engine(
+        tiny_model, conv, tmp_path, no_engine):
+    argv = [str(conv), "--exact", "--model", str(tiny_model)]
+    hit = write_trace(tmp_path / "hit.h5", "hit", record_argv=argv)
+    r = record(tiny_model, conv, tmp_path, "--focus", "request=1,position=48", "--focus-check", str(hit))
+    assert r.exit_code == 2 and r.stderr.splitlines() == [
+        f"statediff: error: --focus-check {hit} was recorded with other arguments ('--exact --model' where "
+        f"this command has '--model {tiny_model}'): a focused re-record must replay the same run; use: "
+        f"statediff record {conv} --exact --model {tiny_model} --mode ... -o ... --focus ... --focus-check {hit}"]
+    assert no_engine == []
+    r = record(tiny_model, conv, tmp_path, "--focus", "request=1,position=48", "--focus-check", str(hit), "--exact")
+    assert r.stderr.splitlines() == ["statediff: error: engine would start here"]
+
+
+def test_focus_layers_outside_the_model_are_refused_before_the_engine(tiny_model, conv, tmp_path, no_engine):
+    r = record(tiny_model, conv, tmp_path, "--focus", "request=1,position=48,layers=1/99")
+    assert r.exit_code == 2 and r.stderr.splitlines() == [
+        "statediff: error: --focus layers 99: the model has layers 0..3"]
+    assert no_engine == []

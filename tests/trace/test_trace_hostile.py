@@ -390,3 +390,33 @@ def test_fuzz_mutated_summary_trace_is_read_or_refused(valid_summary_bytes: byte
         path = Path(d) / "fuzzed3.h5"
         path.write_bytes(_mutate(valid_summary_bytes, mutations))
         _open_and_read_everything(path)
+
+
+def test_tables_shorter_than_the_run_field_keep_says_are_refused(tmp_path: Path) -> None:
+    """A /digests table cut to fewer rows than the recorder counted: refused, not read as "not captured"."""
+    import h5py
+    import numpy as np
+
+    from statediff.trace import TraceWriter
+    from statediff.trace.summary import summarize
+
+    path = tmp_path / "cut.h5"
+    w = TraceWriter(path, {"mode": "cold", "keep": {"policy": "none", "kept_tensors": 0,
+                                                    "digest_only_tensors": 2}})
+    w.begin_request(0, "r0", [1, 2, 3])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for pos in (16, 32):
+        w.add_digest(summarize(x + pos, "float32"), request=0, position=pos, layer=0, kind="gdn.ssm_state",
+                     role="checkpoint", module="model.layers.0", dtype="float32", shape=x.shape)
+    w.end_step()
+    w.close()
+    with open_trace(path) as t:
+        assert len(t.digests) == 2
+    with h5py.File(path, "r+") as f:
+        rows = f["digests"][:1]
+        del f["digests"]
+        f.create_dataset("digests", data=rows)
+    with pytest.raises(TraceError) as info:
+        open_trace(path)
+    assert str(info.value) == (f"{path}: run field keep.digest_only_tensors is 2 but /digests holds 1 such "
+                               "tensors (a table was cut or edited)")
