@@ -13,7 +13,7 @@ dropped, since the focus decides what is kept.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 FOCUS_OUT = {"hit": "hit-focus.h5", "cold": "cold-focus.h5"}
@@ -48,17 +48,20 @@ def record_words(run: Mapping[str, Any]) -> list[str] | None:
     return out
 
 
-def _command(words: Sequence[str] | None, mode: str, spec: str, split_like: str | None,
-             check: str | None) -> str:
-    tail = ["--mode", mode] + (["--split-like", split_like] if split_like else []) + [
-        "-o", FOCUS_OUT[mode], "--focus", spec] + (["--focus-check", check] if check else [])
-    if words is None:  # the trace does not store its command line: say what goes there
+def _record_line(run: Mapping[str, Any], mode: str, out: str, split_like: str | None) -> str:
+    """``statediff record <record_argv without --keep/--focus> --mode M [--split-like X] -o OUT``;
+    the placeholder ``GENERIC`` for the arguments when the trace does not store its command line."""
+    words = record_words(run)
+    tail = ["--mode", mode] + (["--split-like", split_like] if split_like else []) + ["-o", out]
+    if words is None:
         return f"statediff record {GENERIC} {shlex.join(tail)}"
     return shlex.join(["statediff", "record", *words, *tail])
 
 
 def focus_commands(hit_run: Mapping[str, Any], cold_run: Mapping[str, Any], focus: Mapping[str, Any],
-                   paths: tuple[str, str] | None = None) -> list[str]:
+                   paths: tuple[str, str] | None = None,
+                   record_line: Callable[[Mapping[str, Any], str, str, str | None], str] = _record_line,
+                   ) -> list[str]:
     """The hit and the cold ``statediff record`` lines that keep data around ``focus``.
 
     Args:
@@ -66,13 +69,17 @@ def focus_commands(hit_run: Mapping[str, Any], cold_run: Mapping[str, Any], focu
         focus: ``{"request": R, "position": P, "layers": [...]}`` (``CompareResult.focus``).
         paths: the hit and cold traces compared: each line gets ``--focus-check PATH``,
             so the re-record checks that it replayed the same states (every digest equal).
+        record_line: ``(run, mode, out, split_like) -> "statediff record ... -o OUT"``; the
+            default uses ``record_argv`` (``GENERIC`` without it); reports rebuild the
+            arguments from the run metadata instead (``statediff.incident.reproduce``).
     Returns:
         two shell lines; a cold run recorded in the split exact form (``--exact-split``)
-        gets ``--split-like hit-focus.h5``. Without ``record_argv`` the arguments are
-        the placeholder ``GENERIC``.
+        gets ``--split-like hit-focus.h5``.
     """
     spec = focus_spec(focus)
     split = FOCUS_OUT["hit"] if cold_run.get("exact_form") == "split" else None
     checks = paths or (None, None)
-    return [_command(record_words(hit_run), "hit", spec, None, checks[0]),
-            _command(record_words(cold_run), "cold", spec, split, checks[1])]
+    return [record_line(run, mode, FOCUS_OUT[mode], split_like) + " " + shlex.join(
+                ["--focus", spec] + (["--focus-check", str(check)] if check else []))
+            for run, mode, split_like, check in ((hit_run, "hit", None, checks[0]),
+                                                 (cold_run, "cold", split, checks[1]))]

@@ -12,7 +12,7 @@ import json
 import shlex
 from typing import Any
 
-from statediff.diff.focus import FOCUS_OUT, focus_spec, record_words
+from statediff.diff.focus import focus_commands, record_words
 from statediff.diff.noise import DEFAULT_FACTOR
 
 
@@ -157,19 +157,14 @@ def record_command(run: dict, mode: str, out: str, *, split_like: str | None = N
 
 
 def focus_lines(hit_run: dict, cold_run: dict, focus: dict, paths: tuple[str, str]) -> list[str]:
-    """The hit and cold ``statediff record`` lines that replay both runs keeping data around
-    ``focus`` (``{"request", "position", "layers"}``, ``CompareResult.focus``): the stored command
-    line without its ``--keep``/``--focus`` (rebuilt from the run metadata when not stored),
-    ``-o hit-focus.h5`` / ``cold-focus.h5``, then ``--focus request=R,position=P[,layers=L]
-    --focus-check PATH`` (``paths``: the hit and cold traces the re-record must replay identically)."""
-    out = []
-    split = FOCUS_OUT["hit"] if cold_run.get("exact_form") == "split" else None
-    for run, mode, split_like, path in ((hit_run, "hit", None, paths[0]), (cold_run, "cold", split, paths[1])):
+    """``diff.focus.focus_commands`` with each run's command line rebuilt from its run metadata when
+    the trace does not store it (``record_command``), as the report's other record lines are."""
+    def line(run: dict, mode: str, out: str, split_like: str | None) -> str:
         words = record_words(run)
-        run = run if words is None else dict(run, record_argv=words)
-        cmd, _ = record_command(run, mode, FOCUS_OUT[mode], split_like=split_like)
-        out.append(cmd + " " + shlex.join(["--focus", focus_spec(focus), "--focus-check", str(path)]))
-    return out
+        return record_command(run if words is None else dict(run, record_argv=words), mode, out,
+                              split_like=split_like)[0]
+
+    return focus_commands(hit_run, cold_run, focus, paths, record_line=line)
 
 
 def reproduce_lines(hit_run: dict, cold_run: dict, options: CompareOptions = CompareOptions(), *,

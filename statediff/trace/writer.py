@@ -739,12 +739,6 @@ def digest_rows(digests: list[DigestEntry], entries: list[TensorEntry] = ()) -> 
     return np.array(rows, dtype=DIGEST_DTYPE) if rows else None
 
 
-def write_digests(f: h5py.File, digests: list[DigestEntry], entries: list[TensorEntry] = (),
-                  clevel: int = 3) -> None:
-    """Write ``/digests`` (``digest_rows``); nothing when there are none."""
-    write_digest_table(f, digest_rows(digests, entries), clevel)
-
-
 def write_digest_table(f: h5py.File, rows: np.ndarray | None, clevel: int = 3) -> None:
     """Write a ``digest_rows`` table as ``/digests``; nothing for None. Compressed from
     ``DIGESTS_PLAIN_BYTES``: in a digest-first trace this table is most of the file."""
@@ -828,7 +822,7 @@ def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
             for e in entries:
                 _copy_stored(src._stored(e), tg, e.dataset)
             write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), 3)
-            write_digests(f, src.digests, src.entries)
+            write_digest_table(f, digest_rows(src.digests, src.entries))
             write_requests(f, {i: snapshot_request(r) for i, r in requests.items()})
         os.replace(tmp, out)
         return {"tensors": len(rows), "digests": len(src.digests), "segments": src.segments,
