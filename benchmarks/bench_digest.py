@@ -777,7 +777,7 @@ def report(res: dict, args) -> str:
              f"per row). A row is {res['row_raw']} B before compression; what does not compress is the two "
              "128-bit digests, the three float64 moments and the 16 float32 sketch values (~120 B of "
              "entropy). Measured on a table of 8,192+ rows; `/digests` tables up to 64 KiB (~145 rows, about "
-             "one 27B-class boundary) are stored uncompressed (`writer.DIGESTS_PLAIN_BYTES`), 449 B per row.")
+             "one 27B-class boundary) are stored uncompressed (`records.DIGESTS_PLAIN_BYTES`), 449 B per row.")
     # 2. engine side
     L += ["", "### Engine-side time per boundary (CPU)", "",
           "What the recording thread pays per boundary of one request on this CPU (torch, "

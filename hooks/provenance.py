@@ -8,6 +8,9 @@ reproduce a trace (what is kept does not change what is replayed; a report adds 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
 import click
 
 # options that name where/how this one recording is written, not what was run
@@ -15,18 +18,27 @@ SKIP = ("output", "overwrite", "no_progress", "engine_log", "mode", "split_like"
 
 
 def record_argv(ctx: click.Context) -> list[str]:
-    """Options of the running command that differ from their defaults, as command-line words.
+    """Options of the running command that differ from their defaults, as command-line words,
+    without those in ``SKIP`` (``command_words``)."""
+    return command_words(ctx.command.params, ctx.params, skip=SKIP)
 
-    Arguments come first, then options in declaration order; a boolean flag
-    pair (``--exact/--default-chunking``) gives its on or off form, a
-    repeatable option one word pair per value.
+
+def command_words(params: Sequence[click.Parameter], values: Mapping[str, Any], *,
+                  skip: Iterable[str] = ()) -> list[str]:
+    """Command-line words for ``values`` (parameter name -> value) of a command with ``params``.
+
+    Arguments come first, then options that differ from their defaults, in
+    declaration order; a boolean flag pair (``--exact/--default-chunking``)
+    gives its on or off form, a repeatable option one word pair per value.
+    Parameters in ``skip`` or missing from ``values`` give no words.
     """
+    skipped = set(skip)
     args: list[str] = []
     opts: list[str] = []
-    for p in ctx.command.params:
-        if p.name in SKIP or p.name not in ctx.params:
+    for p in params:
+        if p.name in skipped or p.name not in values:
             continue
-        v = ctx.params[p.name]
+        v = values[p.name]
         if isinstance(p, click.Argument):
             args += [str(x) for x in (v if isinstance(v, (list, tuple)) else [v]) if x is not None]
             continue

@@ -6,14 +6,11 @@ the summary of every tensor (computed on its device, ``digest.summarize_rows``),
 the keep policy (``keep.py``: which tensors also keep their data), the host
 copy of those and the hand-off to ``statediff.trace``.
 Configuration comes from environment variables so that it reaches vLLM
-worker processes unchanged (``RecorderConfig.from_env``).
+worker processes unchanged (``recorder_config.RecorderConfig.from_env``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from statediff.replay.hits import HIDDEN_STATE_DRAFTERS, HitLedger
+from statediff.replay.hits import HitLedger, drops_last_block
 from statediff.trace import TraceWriter
 
-from .digest import summarize_rows
-from .faults import FaultSpec, parse_fault
-from .keep import KeepPolicy, KeepSpec
+from statediff_hooks.digest import summarize_rows
+from statediff_hooks.keep import KeepPolicy
+from statediff_hooks.recorder_config import RecorderConfig
 
 # torch dtype -> (logical name, dtype to view as before .numpy())
 _TORCH_DTYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
@@ -85,74 +82,6 @@ def to_host(t: torch.Tensor) -> tuple[np.ndarray, str]:
     return host.numpy(), logical
 
 
-@dataclasses.dataclass
-class RecorderConfig:
-    """What to record, read from ``STATEDIFF_*`` environment variables.
-
-    STATEDIFF_TRACE: trace path (recording is off when unset).
-    STATEDIFF_MODE: "hit" or "cold" (how the run was driven; metadata).
-    STATEDIFF_REPLAY: "default" or "exact" (chunking policy; metadata).
-    STATEDIFF_KV: "all" (every completed K/V block, default) or "none" (no K/V captured at all).
-    STATEDIFF_KEEP: which captured tensors keep their data: "hits" (default), "all",
-        "none" or a byte budget in bytes (``keep.KeepSpec``); every one gets a summary.
-    STATEDIFF_FOCUS: a focused re-record, JSON ``{"request": R, "position": P, "layers": [..] | null}``.
-    STATEDIFF_FAULT: planted-fault spec (see ``faults.parse_fault``).
-    STATEDIFF_RUN_JSON: extra run metadata (JSON object) from the front end.
-    STATEDIFF_OVERWRITE: "1" to replace an existing trace.
-    STATEDIFF_ACTIVATIONS: "1" for eager-mode hidden-state hooks (perturbs numerics).
-    """
-
-    trace: str
-    mode: str | None = None
-    replay: str | None = None
-    kv: str = "all"
-    fault: FaultSpec | None = None
-    run_extra: dict = dataclasses.field(default_factory=dict)
-    overwrite: bool = False
-    activations: bool = False
-    keep: KeepSpec = dataclasses.field(default_factory=KeepSpec)
-
-    @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "RecorderConfig | None":
-        env = os.environ if env is None else env
-        trace = env.get("STATEDIFF_TRACE")
-        if not trace:
-            return None
-        kv = env.get("STATEDIFF_KV", "all")
-        if kv not in ("all", "none"):
-            raise ValueError(f"STATEDIFF_KV={kv!r}: expected 'all' or 'none'")
-        extra = json.loads(env.get("STATEDIFF_RUN_JSON") or "{}")
-        keep = KeepSpec.from_env(env)
-        return cls(
-            trace=trace,
-            mode=env.get("STATEDIFF_MODE") or None,
-            replay=env.get("STATEDIFF_REPLAY") or None,
-            kv=kv,
-            fault=parse_fault(env.get("STATEDIFF_FAULT") or ""),
-            run_extra=extra if isinstance(extra, dict) else {},
-            overwrite=env.get("STATEDIFF_OVERWRITE") == "1",
-            activations=env.get("STATEDIFF_ACTIVATIONS") == "1",
-            keep=keep,
-        )
-
-    def to_env(self) -> dict[str, str]:
-        """The environment that makes ``from_env`` return this config."""
-        env = {"STATEDIFF_TRACE": self.trace, "STATEDIFF_KV": self.kv,
-               "STATEDIFF_RUN_JSON": json.dumps(self.run_extra, default=str)}
-        if self.mode:
-            env["STATEDIFF_MODE"] = self.mode
-        if self.replay:
-            env["STATEDIFF_REPLAY"] = self.replay
-        if self.fault:
-            env["STATEDIFF_FAULT"] = self.fault.spec
-        if self.overwrite:
-            env["STATEDIFF_OVERWRITE"] = "1"
-        if self.activations:
-            env["STATEDIFF_ACTIVATIONS"] = "1"
-        env.update(self.keep.to_env())
-        return env
-
-
 class Recorder:
     """Numbers requests in order of first scheduling and writes their tensors.
 
@@ -173,18 +102,18 @@ class Recorder:
                     fault=None, capture={"kv": config.kv, "activations": config.activations})
         if meta.get("mode") == "cold":
             meta["cold_policy"] = meta.get("cold_policy") or "cache_salt"
-        self.writer = TraceWriter(config.trace, meta, overwrite=config.overwrite)
+        self._writer = TraceWriter(config.trace, meta, overwrite=config.overwrite)
         self.index: dict[str, int] = {}
         self.step = 0
         self.closed = False
         # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
-        bs = self.writer.run.get("block_size")
+        bs = self._writer.run_field("block_size")
         self.hits = HitLedger(bs) if isinstance(bs, int) and bs > 0 else None
         self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
         self.keep = KeepPolicy(config.keep, bs if isinstance(bs, int) else None)
         # vLLM drops the last matched block of a hit for these drafters: the hit run resumes a
         # block before the expected hit, so both runs also anchor there
-        self._drop_block = meta.get("speculative_method") in HIDDEN_STATE_DRAFTERS
+        self._drop_block = drops_last_block(meta)
 
     def begin_request(self, engine_id: str, prompt_token_ids: list[int], **fields: Any) -> int:
         """Register a newly scheduled request; returns its index.
@@ -201,9 +130,9 @@ class Recorder:
         anchors = [fields.get("num_cached_tokens")]
         if self.hits is not None:
             for j in sorted(self._hits_running):
-                rec = self.writer.requests[j]
-                if rec.get("finished"):
-                    self.hits.add(j, rec["prompt_token_ids"], rec.get("output_token_ids") or [])
+                if self._writer.request_field(j, "finished"):
+                    self.hits.add(j, self._writer.request_field(j, "prompt_token_ids"),
+                                  self._writer.request_field(j, "output_token_ids") or [])
                     self._hits_running.discard(j)
             exp = self.hits.expect(prompt_token_ids)
             fields = {"expected_hit_tokens": exp.tokens, "expected_hit_source": exp.source} | fields
@@ -211,7 +140,7 @@ class Recorder:
             if self._drop_block:
                 anchors += [exp.tokens - self.hits.block_size, exp.align - self.hits.block_size]
         self.keep.begin_request(idx, anchors)
-        self.writer.begin_request(idx, engine_id, prompt_token_ids, **fields)
+        self._writer.begin_request(idx, engine_id, prompt_token_ids, **fields)
         if self.hits is not None:
             self.hits.add(idx, prompt_token_ids)
             self._hits_running.add(idx)
@@ -264,26 +193,65 @@ class Recorder:
                           role=k["role"], module=k["module"], token_start=k.get("token_start"),
                           step=self.step, block=k.get("block", -1))
             if kept[b]:
-                self.writer.add(host[where[b]], dtype=logical, summary=sums[b], **common)
+                self._writer.add(host[where[b]], dtype=logical, summary=sums[b], **common)
             else:
-                self.writer.add_digest(sums[b], dtype=logical, shape=shape, **common)
+                self._writer.add_digest(sums[b], dtype=logical, shape=shape, **common)
+
+    # -- request and run records (adapters use these, never the writer) -------
+
+    def add_chunk(self, request: int, start: int, end: int) -> None:
+        """Request ``request`` computed tokens ``[start, end)`` in the step now ending."""
+        self._writer.add_chunk(request, start, end)
+
+    def set_request(self, request: int, **fields: Any) -> None:
+        """Set fields of a recorded request (``docs/trace-format.md``, request records).
+
+        Raises:
+            KeyError: ``request`` was never begun (``begin_request``).
+            ValueError: a documented field has the wrong type.
+        """
+        self._writer.update_request(request, **fields)
+
+    def set_run(self, **fields: Any) -> None:
+        """Merge fields into the run metadata (``/run``).
+
+        Raises:
+            ValueError: a documented field has the wrong type.
+        """
+        self._writer.update_run(**fields)
+
+    def has_request(self, request: int) -> bool:
+        """Whether request ``request`` has been begun in this recording."""
+        return self._writer.has_request(request)
+
+    def request_field(self, request: int, key: str, default: Any = None) -> Any:
+        """A field of request ``request`` as recorded so far (a copy).
+
+        Raises:
+            KeyError: ``request`` was never begun.
+        """
+        return self._writer.request_field(request, key, default)
+
+    def run_field(self, key: str, default: Any = None) -> Any:
+        """A run-metadata field as recorded so far (a copy)."""
+        return self._writer.run_field(key, default)
 
     def end_step(self) -> None:
-        self.writer.end_step()
+        self._writer.end_step()
         self.step += 1
 
     def note_fault(self, **where: Any) -> None:
         """Record where the planted fault was applied (run metadata ``fault``)."""
         assert self.config.fault is not None
-        self.writer.update_run(fault={"spec": self.config.fault.spec, **where})
+        self.set_run(fault={"spec": self.config.fault.spec, **where})
 
     def close(self) -> dict:
         """Finish the trace file (run metadata ``keep`` first); safe to call twice."""
         if self.closed:
             return {}
         self.closed = True
-        for idx, rec in self.writer.requests.items():
-            if not rec.get("finished"):
-                self.writer.update_request(idx)
-        self.writer.update_run(keep=self.keep.to_json())
-        return self.writer.close()
+        for idx in self._writer.request_indices():
+            if not self._writer.request_field(idx, "finished"):
+                self._writer.update_request(idx)
+        self._writer.update_run(keep=self.keep.to_json())
+        return self._writer.close()

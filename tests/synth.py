@@ -198,7 +198,7 @@ def _keeps(keep, request: int, position: int, layer: int, kind: str, role: str) 
 def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_seed: int | None = None,
                 replay: str = "default", noise_from: int | None = None,
                 requests: dict[int, dict] | None = None, keep=None, keep_run: dict | None = None,
-                **run_overrides) -> Path:
+                scale: dict[tuple[int, int, int, str], float] | None = None, **run_overrides) -> Path:
     """Write one synthetic trace ("hit" or "cold") and return its path.
 
     ``keep`` None writes data only, no summaries (a trace as before format
@@ -213,6 +213,8 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
     a real engine; 0 in a cold run, a differently chunked cold run).
     ``requests`` overrides fields of request records at the end (e.g.
     ``{3: {"output_token_ids": [...], "output_logprobs": [...]}}``).
+    ``scale`` multiplies float32 tensors by ``1 + s`` at (request, position, layer, kind): a
+    relative L2 error of exactly ``s`` (within float32 rounding) against the clean tensor.
     """
     if noise_from is None:
         noise_from = 1 if mode == "hit" else 0
@@ -220,8 +222,10 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
     bad_after, producer = _poison(reqs, faults) if mode == "hit" else ({}, {})
     if keep_run is not None or keep is not None:
         run_overrides["keep"] = keep_run or {"policy": keep if isinstance(keep, str) else "custom"}
-    w = TraceWriter(path, run_meta(mode, replay, fault=[dataclasses.asdict(f) for f in faults] or None,
-                                   **run_overrides))
+    meta = run_meta(mode, replay, fault=[dataclasses.asdict(f) for f in faults] or None, **run_overrides)
+    if "run_mode" in meta:  # the run field `mode` as recorded (None: a plugin trace), apart from the data's mode
+        meta["mode"] = meta.pop("run_mode")
+    w = TraceWriter(path, meta)
     for r, req in enumerate(reqs):
         hit = req.hit if mode == "hit" else 0
         w.begin_request(r, f"req-{r}", list(req.prompt))
@@ -238,6 +242,8 @@ def write_trace(path: str | Path, mode: str, *, faults: list[Fault] = (), noise_
                         arr = clean(req.prompt[:p], layer, kind)
                     if noise_seed is not None and r >= noise_from:
                         arr = _benign(arr, kind, _rng("noise", noise_seed, r, p, layer, kind))
+                    if scale and (r, p, layer, kind) in scale and arr.dtype == np.float32:
+                        arr = (arr.astype(np.float64) * (1 + scale[r, p, layer, kind])).astype(np.float32)
                     dtype = "float32" if arr.dtype == np.float32 else "bfloat16"
                     meta = dict(request=r, position=p, layer=layer, kind=kind, role=role, module=_module(layer),
                                 dtype=dtype, token_start=p - BLOCK if attn else p, step=r * 100 + p // BLOCK)

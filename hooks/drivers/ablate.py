@@ -5,7 +5,9 @@ off, another checkpoint format, block size, a forced cache miss) and
 watching the output. ``statediff ablate MATRIX.toml`` does the same with
 the state compared: each variant is recorded twice (``statediff record
 --mode hit`` and ``--mode cold``, each in its own subprocess, so each gets
-a fresh engine), compared with ``statediff.diff.compare.compare``, and becomes
+a fresh engine: the same ``recording.make_recording`` as ``record``, its
+options parsed from the words ``variant_argv`` builds), compared with
+``statediff.diff.compare.compare``, and becomes
 one row: PASS (no divergence), FAIL (with the root divergence) or ERROR
 (a recording or the comparison failed; the row carries its one-line
 error and the matrix goes on). A run whose ``statediff record`` arguments
@@ -47,8 +49,23 @@ removes the base's): ``model``, ``conversation``, ``replay``,
 ``speculative_config`` (a table, passed as ``--speculative-config``),
 ``fault``, ``forced_miss``, ``sweep_blocks`` (with ``conversation =
 "sweep"``), ``record_args`` (extra ``statediff record`` words), ``tol``
-(list of ``compare --tol`` rules) and ``noise`` (a noise file). Relative
-paths are relative to the matrix file.
+(list of ``compare --tol`` rules), ``noise`` (a noise file) and ``python``
+(the interpreter, or a venv directory, that records the variant: another
+installed engine version, e.g. ``python = "/work/venvs/vllm-0.29"``; default
+the one running ``ablate``). Relative paths are relative to the matrix file.
+
+Engine version as an axis: variants that differ only in ``python`` give one
+row per engine version (the table's ``engine`` column names each, read from
+the hit trace); each interpreter records its own cold baseline (a trace is
+reused only by a run with the same interpreter and arguments)::
+
+    [[variant]]
+    name = "vLLM 0.29"
+    python = "/work/venvs/vllm-0.29"
+
+    [[variant]]
+    name = "vLLM 0.30"
+    python = "/work/venvs/vllm-0.30"
 
 Exit code: 0 when every row matched its expectation, 1 otherwise, 2 for a
 bad matrix file (nothing is run).
@@ -80,7 +97,7 @@ SETTINGS: dict[str, tuple[type, ...]] = {
     "max_tokens": (int,), "enforce_eager": (bool,), "seed": (int,), "dtype": (str,),
     "max_model_len": (int,), "max_num_batched_tokens": (int,), "kv": (str,), "engine_args": (dict,),
     "speculative_config": (dict, bool), "fault": (str,), "forced_miss": (bool,), "sweep_blocks": (int,),
-    "record_args": (list,), "tol": (list,), "noise": (str,),
+    "record_args": (list,), "tol": (list,), "noise": (str,), "python": (str,),
 }
 VARIANT_KEYS = ("name", "expect", "expect_root", "description")
 REPLAYS = ("exact", "exact-split", "default")
@@ -216,8 +233,26 @@ def load_matrix(path: str | os.PathLike) -> Matrix:
                               "and kind (a string)")
             if expect != "fail":
                 raise _bad(p, f"{where}: expect_root needs expect = \"fail\"")
-        variants.append(Variant(name, _merge(base, v), expect, root, _changes(v)))
+        settings = _merge(base, v)
+        if settings.get("python") is not None:
+            settings["python"] = _interpreter(p, where, settings["python"])
+        variants.append(Variant(name, settings, expect, root, _changes(v)))
     return Matrix(p, title, base, variants)
+
+
+def _interpreter(path: Path, where: str, value: str) -> str:
+    """The Python executable a ``python`` setting names (a venv directory: its ``bin/python``).
+
+    Raises:
+        MatrixError: no executable file there.
+    """
+    exe = Path(_local(value, path.parent))
+    if exe.is_dir():
+        exe = exe / "bin" / "python"
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        raise _bad(path, f"{where}: python = {value!r}: no Python executable there (give an interpreter "
+                         "or a venv directory)")
+    return str(exe)
 
 
 def _local(path: str, root: Path) -> str:
@@ -284,6 +319,7 @@ class Row:
         error: one line, for an ERROR (or why a FAIL's root was not the expected one).
         hits: prefix-cache hit tokens per request in the hit run, if it was recorded.
         traces: (hit, cold) trace paths.
+        engine: the hit run's engine and version ("vllm 0.29.0"), if it was recorded.
     """
 
     index: int
@@ -297,6 +333,7 @@ class Row:
     hits: list | None = None
     traces: tuple[str, str] | None = None
     seconds: float = 0.0
+    engine: str | None = None
 
     @property
     def detail(self) -> str:
@@ -317,7 +354,7 @@ class Row:
                 "status": self.status, "matched": self.matched, "root": self.root,
                 "root_key": list(self.root_key) if self.root_key else None, "diagnosis": self.diagnosis,
                 "error": self.error, "hits": self.hits, "traces": list(self.traces) if self.traces else None,
-                "seconds": round(self.seconds, 1)}
+                "seconds": round(self.seconds, 1), "engine": self.engine}
 
 
 @dataclasses.dataclass
@@ -334,11 +371,12 @@ class AblationResult:
         return 0 if all(r.matched for r in self.rows) else 1
 
     def _cells(self) -> list[list[str]]:
-        return [[str(r.index), r.variant.name, r.variant.changes,
+        return [[str(r.index), r.variant.name, r.variant.changes, r.engine or "-",
                  "-" if r.hits is None else json.dumps(r.hits), r.status, r.variant.expect.upper(),
                  "ok" if r.matched else "UNEXPECTED", r.detail] for r in self.rows]
 
-    HEAD = ["#", "variant", "changes", "hit tokens per request", "result", "expected", "", "root divergence"]
+    HEAD = ["#", "variant", "changes", "engine", "hit tokens per request", "result", "expected", "",
+            "root divergence"]
 
     def summary(self) -> str:
         bad = [r for r in self.rows if not r.matched]
@@ -384,9 +422,10 @@ def _error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else "no error message"
 
 
-def _record(argv: list[str], timeout: float) -> str | None:
-    """Run ``statediff`` with ``argv``; None on success, else its one-line error."""
-    cmd = [sys.executable, "-m", "statediff", *argv]
+def _record(argv: list[str], timeout: float, python: str | None = None) -> str | None:
+    """Run ``statediff`` with ``argv`` under ``python`` (default: this interpreter); None on success,
+    else its one-line error."""
+    cmd = [python or sys.executable, "-m", "statediff", *argv]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -404,9 +443,10 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
     """Record, compare and judge one variant (never raises for the variant's own failures).
 
     ``reuse``: record-arguments -> trace of earlier variants; a run whose
-    ``statediff record`` arguments equal an earlier one's reuses its trace
-    (e.g. one cold baseline for every fault variant), except that the two
-    sides of one variant are never the same recording. Updated in place.
+    ``statediff record`` arguments and interpreter (``python``) equal an earlier
+    one's reuses its trace (e.g. one cold baseline for every fault variant, one
+    per engine version), except that the two sides of one variant are never the
+    same recording. Updated in place.
     """
     from statediff.diff.compare import compare
     from statediff.trace import open_trace
@@ -417,7 +457,8 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
     row = Row(index, v, "ERROR", v.expect == "error")
     for mode in ("hit", "cold"):
         out = paths[mode]
-        key = tuple(variant_argv(v.settings, mode, Path("OUT"), root, hit_trace=paths["hit"]))
+        python = v.settings.get("python")
+        key = (python or sys.executable, *variant_argv(v.settings, mode, Path("OUT"), root, hit_trace=paths["hit"]))
         earlier = None if reuse is None else reuse.get(key)
         if earlier is not None and earlier != paths["hit"]:  # never both sides from one recording
             say(f"[{index}] {v.name}: the {mode} run reuses {earlier.name} (same record arguments)")
@@ -425,7 +466,7 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
             continue
         forced = " (forced miss: recorded cold)" if v.settings.get("forced_miss") and mode == "hit" else ""
         say(f"[{index}] {v.name}: recording the {mode} run{forced}")
-        err = _record(variant_argv(v.settings, mode, out, root, hit_trace=paths["hit"]), timeout)
+        err = _record(variant_argv(v.settings, mode, out, root, hit_trace=paths["hit"]), timeout, python)
         if err is not None:
             row.error = f"{mode} run: {err}"
             row.seconds = time.perf_counter() - t0
@@ -437,6 +478,7 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
     try:
         with open_trace(hit) as t:
             row.hits = [t.requests[i].get("num_cached_tokens") for i in sorted(t.requests)]
+            row.engine = " ".join(str(t.run[k]) for k in ("engine", "engine_version") if t.run.get(k)) or None
         noise = v.settings.get("noise")
         result = compare(hit, cold, tol=v.settings.get("tol") or (),
                          noise=_local(noise, root) if noise else None)

@@ -9,6 +9,10 @@ from prefix-cache blocks; this is the situation in which restore bugs show.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Callable
+
 from statediff.replay.conversation import Turn
 
 TOOLS = [
@@ -65,3 +69,39 @@ def demo_conversation(max_tokens: int = 16) -> list[Turn]:
         if tool_result:
             messages.append({"role": "tool", "content": tool_result})
     return turns
+
+
+#: The one line said when the built-in conversation falls back to plain text (``builtin_turns``).
+NO_TEMPLATE_NOTE = ("statediff: note: {model} has no chat template: the built-in conversation is sent as "
+                    "token ids of plain 'role: content' text")
+
+
+def plain_text(turn: Turn) -> str:
+    """A chat turn as plain text, for a tokenizer without a chat template: the tool schemas
+    (JSON) after the system prompt, one ``role: content`` paragraph per message, and an open
+    ``assistant:`` paragraph (the generation prompt)."""
+    parts = []
+    for m in turn.messages or ():
+        parts.append(f"{m['role']}: {m.get('content', '')}")
+        if m["role"] == "system" and turn.tools:
+            parts.append("tools: " + json.dumps(turn.tools, sort_keys=True))
+    return "\n\n".join(parts + ["assistant:"])
+
+
+def builtin_turns(model_dir: str, max_tokens: int, say: Callable[[str], None]) -> list[Turn]:
+    """The built-in conversation for ``model_dir``: chat turns when its tokenizer has a chat
+    template, else the same exchanges as token ids of ``plain_text`` (``tokenizer.encode``,
+    special tokens as the tokenizer adds them), said in one line through ``say``.
+
+    Raises:
+        StatediffError: the tokenizer cannot be loaded (``shared.load_tokenizer``).
+    """
+    from statediff_hooks.shared import load_tokenizer
+
+    turns = demo_conversation(max_tokens)
+    tok = load_tokenizer(model_dir)
+    if getattr(tok, "chat_template", None):
+        return turns
+    say(NO_TEMPLATE_NOTE.format(model=model_dir))
+    return [dataclasses.replace(t, messages=None, tools=None, prompt_token_ids=[int(x) for x in tok.encode(
+        plain_text(t))]) for t in turns]

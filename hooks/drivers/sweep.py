@@ -2,7 +2,7 @@
 
 ``statediff.replay.sweep`` generates the replay from three numbers; this module
 reads them from the engine and the model: the block size vLLM will really
-use (``vllm.replay.actual_block_size``: hybrids raise the requested one),
+use (``vllm.limits.actual_block_size``: hybrids raise the requested one),
 the number of speculative tokens of ``speculative_config``, and the
 vocabulary size from the model's ``config.json`` (special token ids listed
 by its tokenizer files are never drawn).
@@ -77,7 +77,7 @@ def engine_sweep(kw: dict, *, blocks: int = 2, max_tokens: int = 16, seed: int =
     Raises:
         StatediffError: unreadable model config, or parameters that cannot make a sweep.
     """
-    from statediff_hooks.vllm.replay import actual_block_size
+    from statediff_hooks.vllm.limits import actual_block_size
 
     spec = kw.get("speculative_config")
     k = int(spec.get("num_speculative_tokens") or 0) if isinstance(spec, dict) else 0

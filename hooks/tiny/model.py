@@ -164,6 +164,7 @@ def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
         self_attn.o_proj                    (256, 1024)
         self_attn.q_norm / k_norm           (128,)       0-centred (1 + w)
     """
+    # Over 80 lines on purpose: one table, read top to bottom like the checkpoint it describes.
     h = cfg["hidden_size"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
@@ -568,14 +569,16 @@ def build_tiny_dense_model(out_dir: str | Path, seed: int = 0, *, overwrite: boo
     return _build_target(out_dir, cfg, _dense_param_specs(cfg), seed=seed, overwrite=overwrite)
 
 
-def _build_target(out_dir: str | Path, cfg: dict[str, Any], specs: list, *, seed: int,
-                  overwrite: bool) -> Path:
-    """Write a target model (config, weights, tokenizer files) via ``write_model_dir``."""
+def _build_target(out_dir: str | Path, cfg: dict[str, Any], specs: list | None, *, seed: int,
+                  overwrite: bool, weights: Any = None) -> Path:
+    """Write a target model (config, weights, tokenizer files) via ``write_model_dir``;
+    ``weights()`` (a ``{name: tensor}`` dict) replaces the weights drawn from ``specs``."""
 
     def files(tmp: Path) -> str:
         from safetensors.torch import save_file
 
-        save_file(_make_weights(specs, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tensors = weights() if weights is not None else _make_weights(specs, seed)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _dump_json(tmp / "config.json", cfg)
         _dump_json(
             tmp / "generation_config.json",

@@ -83,8 +83,6 @@ metadata (``fault``); one that never fired is reported on stderr.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import sys
@@ -97,31 +95,22 @@ import torch
 from statediff.replay.conversation import Turn
 from statediff.errors import StatediffError
 
-from statediff_hooks.transformers import prefix_store as hf_cache
-from .dflash import Acceptance, DFlashProposer, build_tiny_dflash, drafter_digest, greedy_accepted, load_drafter
 from statediff_hooks.faults import FaultPlanter, FaultSpec, Site, parse_fault
 from statediff_hooks.keep import KeepSpec
-from statediff_hooks.recorder import Recorder, RecorderConfig
+from statediff_hooks.recorder import Recorder
+from statediff_hooks.recorder_config import RecorderConfig
+from statediff_hooks.shared import (DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, config_digest,
+                                    conversation_digest, drafter_rows, keep_row, render_prompts)
+from statediff_hooks.tiny.catalog import tiny_dflash_for
+from statediff_hooks.transformers import prefix_store as hf_cache
+from statediff_hooks.transformers.dflash import DFlashProposer, greedy_accepted, load_drafter
 
-__all__ = ["TransformersResult", "config_digest", "drafter_row_kept", "plan_chunks", "record_transformers",
-           "render_prompts", "tiny_dflash_for"]
+__all__ = ["TransformersResult", "plan_chunks", "record_transformers"]
 
 ENGINE = "transformers"
 RUNNER = "statediff-transformers-prefix-store"
 DRAFTER_LAYER = -1  # trace layer of drafter.logits (not a target layer)
 DRAFTER_MODULE = "drafter"
-WINDOW = 4  # drafter rows kept after each block boundary (as vllm/spec_v1.WINDOW)
-
-
-def drafter_row_kept(position: int, prompt_len: int, block_size: int, window: int = WINDOW) -> bool:
-    """Whether the drafter-input row at ``position`` (tokens summarised) is recorded.
-
-    The rule of ``vllm/spec_v1.keep_row``: block boundaries, the first
-    ``window`` rows of every block (in a hit run: the rows right after the
-    hit boundary), and the prompt's last row.
-    """
-    r = position % block_size
-    return r == 0 or 1 <= r <= window or position == prompt_len
 
 
 @dataclasses.dataclass
@@ -154,28 +143,6 @@ class TransformersResult:
     seconds: float
 
 
-def config_digest(config: Any) -> str:
-    """sha256 of the canonical config JSON: the rule of ``vllm/v1.py run_metadata``.
-
-    ``json.dumps(config.to_dict(), sort_keys=True, default=str)``, so a
-    transformers trace and a vLLM trace of the same model directory match.
-    """
-    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-
-
-def render_prompts(turns: list[Turn], tokenizer: Any) -> list[list[int]]:
-    """Token ids per turn; chat turns go through the tokenizer's chat template (as ``vllm/replay.py``)."""
-    out = []
-    for t in turns:
-        if t.prompt_token_ids is not None:
-            out.append([int(x) for x in t.prompt_token_ids])
-            continue
-        ids = tokenizer.apply_chat_template(t.messages, tools=t.tools, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        out.append([int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)])
-    return out
-
-
 def plan_chunks(start: int, prompt_len: int, hit: int, block_size: int, exact: bool) -> list[tuple[int, int]]:
     """Prefill chunks ``[s, e)`` from ``start`` to ``prompt_len``.
 
@@ -195,24 +162,6 @@ def plan_chunks(start: int, prompt_len: int, hit: int, block_size: int, exact: b
             out.append((s, e))
             s = e
     return out
-
-
-def tiny_dflash_for(model_dir: str, seed: int = 0) -> Path:
-    """The tiny random DFlash drafter of a local target directory, built on first use.
-
-    Lives in ``$STATEDIFF_HOME`` (default ``~/.cache/statediff``), named by the
-    target's ``config.json`` digest and the seed.
-
-    Raises:
-        StatediffError: ``model_dir`` is not a local model directory.
-    """
-    cfg = Path(model_dir) / "config.json"
-    if not cfg.is_file():
-        raise StatediffError(f"--drafter dflash builds a tiny drafter from the target's config.json, "
-                             f"and {model_dir} is not a local model directory")
-    home = Path(os.environ.get("STATEDIFF_HOME") or Path.home() / ".cache" / "statediff")
-    out = home / f"tiny-dflash-{hashlib.sha256(cfg.read_bytes()).hexdigest()[:12]}-seed{seed}"
-    return build_tiny_dflash(out, model_dir, seed)
 
 
 @dataclasses.dataclass
@@ -307,9 +256,9 @@ class _Replay:
     def _drafter_rows(self, r: "_Req", start: int, end: int, feats: dict[int, torch.Tensor]) -> None:
         """Drafter-input rows of the verified tokens ``[start, end)`` that the row rule keeps."""
         for p in range(start, end):
-            if drafter_row_kept(p + 1, r.prompt_len, self.bs):
+            if keep_row(p + 1, r.prompt_len, self.bs):
                 for i in self.taps:
-                    self._t(feats[i][0, p], r.idx, p + 1, i, "drafter.input", "drafter", f"drafter.aux.{i}")
+                    self._t(feats[i][0, p], r.idx, p + 1, i, DRAFTER_KIND, DRAFTER_ROLE, f"drafter.aux.{i}")
 
     def _end_step(self) -> None:
         if self.rec is not None:
@@ -386,7 +335,7 @@ class _Replay:
             self._gdn_states(idx, h, cache, "resumed")
             self._block(idx, h - bs, h, cache, "resumed")
             for t in self.taps:  # the last cached token's feature, as the drafter reads it
-                self._t(feats[t][0, h - 1], idx, h, t, "drafter.input", "resumed", f"drafter.aux.{t}")
+                self._t(feats[t][0, h - 1], idx, h, t, DRAFTER_KIND, "resumed", f"drafter.aux.{t}")
         else:
             from transformers import DynamicCache
 
@@ -411,7 +360,7 @@ class _Replay:
             r.acceptance = self._speculate(r, cache, feats, outputs, logprobs, max_tokens).to_json()
         if self.rec is not None:
             extra = {"spec_steps": r.spec_steps} if self.drafter is not None else {}
-            self.rec.writer.update_request(idx, output_token_ids=outputs, output_logprobs=logprobs,
+            self.rec.set_request(idx, output_token_ids=outputs, output_logprobs=logprobs,
                                            acceptance=r.acceptance, finished=True, **extra)
             self._end_step()
         return {"prompt_len": P, "num_cached_tokens": hit, "chunks": r.chunks, "acceptance": r.acceptance,
@@ -426,8 +375,7 @@ class _Replay:
         bs, P, spec = self.bs, r.prompt_len, bool(self.taps)
         r.chunks.append([s, e])
         if self.rec is not None:
-            self.rec.writer.requests[r.idx]["chunks"].append([s, e])
-            self.rec.writer.update_request(r.idx)
+            self.rec.add_chunk(r.idx, s, e)
         if not (spec and decoding):
             if e % bs == 0:
                 self._gdn_states(r.idx, e, cache, "checkpoint")
@@ -461,7 +409,7 @@ class _Replay:
                    logprobs: list[float | None], max_tokens: int) -> Acceptance:
         """DFlash drafts verified greedily by the target (see the module docstring)."""
         proposer = DFlashProposer(self.drafter, self.model, self.max_length)
-        acc = Acceptance(proposer.num_speculative_tokens)
+        acc = Acceptance.for_drafts(proposer.num_speculative_tokens)
         new_feats, accepted = feats, 0
         while len(outputs) < max_tokens and outputs[-1] not in self.eos:
             anchor, n = outputs[-1], len(r.tokens)
@@ -473,10 +421,10 @@ class _Replay:
             target = [int(t) for t in logits.argmax(-1)]
             a = greedy_accepted(drafts, target)
             if drafts:
-                acc.add(len(drafts), a)
+                acc.observe(len(drafts), a)
                 r.spec_steps.append([n + 1, list(drafts), a])
                 if self.rec is not None:
-                    self.rec.writer.update_request(r.idx, acceptance=acc.to_json(), spec_steps=r.spec_steps)
+                    self.rec.set_request(r.idx, acceptance=acc.to_json(), spec_steps=r.spec_steps)
             if a < len(drafts):  # roll back: restore, recompute the accepted prefix
                 cache = hf_cache.restore(saved, self.config)
                 _, verify_feats = self._forward(cache, [anchor] + drafts[:a], n)
@@ -540,7 +488,7 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
         exact: one block per chunk (a fault-free hit/cold pair is bit-identical).
         fault: planted-fault spec (``faults.parse_fault``), hit path only.
         drafter: None, ``"dflash"`` (the tiny random DFlash drafter built by
-            ``dflash.build_tiny_dflash`` for this target, cached under
+            ``tiny.draft.build_tiny_dflash`` for this target, cached under
             ``$STATEDIFF_HOME``), or a DFlash drafter directory.
         block_size: tokens per prefix-store block (positive).
         overwrite: replace an existing trace.
@@ -568,6 +516,28 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
             or drafter, a model this adapter does not support, an unwritable trace
             path (``TraceError``), or a write failure while recording.
     """
+    fault_spec, torch_dtype = _check_arguments(turns, mode=mode, block_size=block_size, kv=kv, fault=fault,
+                                               dtype=dtype, threads=threads, trace=trace, overwrite=overwrite)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _record(turns, str(model_dir), trace=trace, mode=mode, exact=exact, fault_spec=fault_spec,
+                       drafter=drafter, block_size=block_size, overwrite=overwrite, kv=kv, seed=seed,
+                       dtype=dtype, torch_dtype=torch_dtype, run_extra=run_extra, progress=progress,
+                       keep=keep or KeepSpec())
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _check_arguments(turns: list[Turn], *, mode: str, block_size: Any, kv: str, fault: str, dtype: str,
+                     threads: Any, trace: Any, overwrite: bool) -> tuple[FaultSpec | None, torch.dtype]:
+    """``record_transformers``'s arguments checked before the model loads; returns the parsed
+    fault and the torch dtype.
+
+    Raises:
+        StatediffError: the first bad argument (see ``record_transformers``).
+    """
     from statediff.trace.writer import check_writable
 
     if mode not in ("hit", "cold"):
@@ -591,30 +561,19 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
         raise StatediffError(f"--threads must be a positive number, not {threads!r}")
     if trace is not None:
         check_writable(Path(trace), overwrite=overwrite)
-    old_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        return _record(turns, str(model_dir), trace=trace, mode=mode, exact=exact, fault_spec=fault_spec,
-                       drafter=drafter, block_size=block_size, overwrite=overwrite, kv=kv, seed=seed,
-                       dtype=dtype, torch_dtype=torch_dtype, run_extra=run_extra, progress=progress,
-                       keep=keep or KeepSpec())
-    finally:
-        torch.set_num_threads(old_threads)
+    return fault_spec, torch_dtype
 
 
 def _record(turns: list[Turn], model_dir: str, *, trace: Any, mode: str, exact: bool,
             fault_spec: FaultSpec | None, drafter: Any, block_size: int, overwrite: bool,
             kv: str, seed: int, dtype: str, torch_dtype: torch.dtype, run_extra: dict | None,
             progress: bool, keep: KeepSpec) -> TransformersResult:
-    import transformers
-
     torch.set_flush_denormal(True)  # random weights: denormals make CPU matmuls 50-100x slower
     cfg, tokenizer, model = _load(model_dir, torch_dtype)
     from transformers import DynamicCache
 
     layers = hf_cache.discover_layers(model, DynamicCache(config=model.config))
-    draft_model = None
+    draft_model, path = None, None
     if drafter is not None:
         path = tiny_dflash_for(model_dir, seed) if str(drafter) == "dflash" else Path(drafter)
         draft_model = load_drafter(path, model)
@@ -622,38 +581,8 @@ def _record(turns: list[Turn], model_dir: str, *, trace: Any, mode: str, exact: 
     if any(not p for p in prompts):
         raise StatediffError("a request renders to an empty prompt")
 
-    run = {
-        "engine": ENGINE, "engine_version": transformers.__version__, "engine_commit": None,
-        "runner": RUNNER, "model": model_dir,
-        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
-        "config_digest": config_digest(cfg), "dtype": dtype, "quantization": None,
-        "block_size": block_size, "mamba_block_size": block_size, "mamba_cache_mode": "align",
-        "prefix_caching": mode == "hit", "cold_policy": "no-reuse" if mode == "cold" else None,
-        "max_num_batched_tokens": block_size if exact else None,
-        "exact_form": "block" if exact else None,
-        "speculative_method": "dflash" if draft_model is not None else None,
-        "num_speculative_tokens": int(draft_model.config.block_size) - 1 if draft_model is not None else None,
-        "seed": seed, "sampling": turns[0].sampling if turns else None,
-        "conversation_digest": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "num_requests": len(turns), "torch_version": torch.__version__,
-        "layers": [{"layer": s.layer, "module": s.module, "type": s.kind, "block_size": block_size}
-                   for s in layers],
-        "drafter": None if draft_model is None else {
-            # the keys vllm/spec_v1.py writes, then transformers-specific ones
-            "method": "dflash", "model": str(path),
-            "architecture": (getattr(draft_model.config, "architectures", None) or [type(draft_model).__name__])[0],
-            "num_speculative_tokens": int(draft_model.config.block_size) - 1,
-            "input": "hidden_states (input of decoder layer L)",
-            "tapped_layers": list(draft_model.config.target_layer_ids),
-            "rows": {"rule": "verified rows at position % block_size in {0, 1..window} or == prompt_len",
-                     "block_size": block_size, "window": WINDOW},
-            "class": type(draft_model).__name__, "model_type": draft_model.config.model_type,
-            "config_digest": drafter_digest(draft_model), "block_size": int(draft_model.config.block_size),
-            "mask_token_id": int(draft_model.config.mask_token_id),
-            "forward": "transformers DFlashTokenCandidateGenerator.get_candidates",
-            "verify": "statediff greedy verify loop (transformers refuses assisted generation "
-                      "with stateful targets)"},
-    }
+    run = _run_metadata(model_dir, cfg, model, layers, draft_model, path, prompts, turns, mode=mode,
+                        exact=exact, block_size=block_size, dtype=dtype, seed=seed)
     rec = None
     if trace is not None:
         rcfg = RecorderConfig(trace=str(trace), mode=mode, replay="exact" if exact else "default", kv=kv,
@@ -684,3 +613,44 @@ def _record(turns: list[Turn], model_dir: str, *, trace: Any, mode: str, exact: 
         output_logprobs=[r["output_logprobs"] for r in results],
         chunks=[r["chunks"] for r in results], acceptance=[r.get("acceptance") for r in results],
         fault=replay.fault_done, stats=stats, seconds=time.perf_counter() - t0)
+
+
+def _run_metadata(model_dir: str, cfg: Any, model: Any, layers: list[hf_cache.LayerSpec], draft_model: Any,
+                  drafter_path: Path | None, prompts: list[list[int]], turns: list[Turn], *, mode: str,
+                  exact: bool, block_size: int, dtype: str, seed: int) -> dict:
+    """Run metadata of a transformers replay (``docs/trace-format.md``, ``/run``): the keys the vLLM
+    adapter writes, with this engine's values, and the drafter's (``vllm/spec_v1.py``'s keys first)."""
+    import transformers
+
+    return {
+        "engine": ENGINE, "engine_version": transformers.__version__, "engine_commit": None,
+        "runner": RUNNER, "model": model_dir,
+        "architecture": (getattr(cfg, "architectures", None) or [type(model).__name__])[0],
+        "config_digest": config_digest(cfg.to_dict()), "dtype": dtype, "quantization": None,
+        "block_size": block_size, "mamba_block_size": block_size, "mamba_cache_mode": "align",
+        "prefix_caching": mode == "hit", "cold_policy": "no-reuse" if mode == "cold" else None,
+        "max_num_batched_tokens": block_size if exact else None,
+        "exact_form": "block" if exact else None,
+        "speculative_method": "dflash" if draft_model is not None else None,
+        "num_speculative_tokens": int(draft_model.config.block_size) - 1 if draft_model is not None else None,
+        "seed": seed, "sampling": turns[0].sampling if turns else None,
+        "conversation_digest": conversation_digest(prompts),
+        "num_requests": len(turns), "torch_version": torch.__version__,
+        "layers": [{"layer": s.layer, "module": s.module, "type": s.kind, "block_size": block_size}
+                   for s in layers],
+        "drafter": None if draft_model is None else {
+            # the keys vllm/spec_v1.py writes, then transformers-specific ones
+            "method": "dflash", "model": str(drafter_path),
+            "architecture": (getattr(draft_model.config, "architectures", None) or [type(draft_model).__name__])[0],
+            "num_speculative_tokens": int(draft_model.config.block_size) - 1,
+            "input": "hidden_states (input of decoder layer L)",
+            "tapped_layers": list(draft_model.config.target_layer_ids),
+            "rows": drafter_rows(block_size),
+            "class": type(draft_model).__name__, "model_type": draft_model.config.model_type,
+            "config_digest": config_digest(draft_model.config.to_dict()),
+            "block_size": int(draft_model.config.block_size),
+            "mask_token_id": int(draft_model.config.mask_token_id),
+            "forward": "transformers DFlashTokenCandidateGenerator.get_candidates",
+            "verify": "statediff greedy verify loop (transformers refuses assisted generation "
+                      "with stateful targets)"},
+    }

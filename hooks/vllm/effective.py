@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from statediff_hooks.vllm import surface
+
 
 def _dtype_name(t: Any) -> str | None:
     return str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None
@@ -108,6 +110,9 @@ def effective_config(runner: Any) -> dict[str, Any]:
           ``cpu_attention_isa``: e.g. ``"vec"``, ``"amx"`` (CPU only, else None).
         - ``compilation_mode``: ``CompilationMode`` name (``"NONE"``,
           ``"VLLM_COMPILE"``, ...); ``cudagraph_mode``: text; ``enforce_eager``: bool.
+        - ``prefix_cache_retention_interval`` (int tokens, or None = dense) and
+          ``prefix_cache_retention`` (``"boundaries"``, ``"dense"``, ``"every N
+          tokens"``): ``retention_facts``; absent where the engine has no such setting.
         - ``gdn_layer``: class name of the first Gated DeltaNet layer (None
           without one); on CPU also ``gdn_path`` (``"cpu-cpp-conv"`` or
           ``"cpu-torch-conv"``), ``cpu_avx512_bf16``, ``cpu_arm_bf16``
@@ -116,23 +121,13 @@ def effective_config(runner: Any) -> dict[str, Any]:
           ``gdn_decode_kernel``: the layer's own choice (``"CPU"``, ``"triton"``, ...).
     """
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
 
     vc = runner.vllm_config
     cc, sc, mc, comp = vc.cache_config, vc.scheduler_config, vc.model_config, vc.compilation_config
-    ctx = runner.compilation_config.static_forward_context
-    groups, mamba_layer, attn_layer = [], None, None
-    for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        groups.append({"group": g, "spec": type(spec).__name__,
-                       "block_size": int(getattr(spec, "block_size", 0) or 0) or None,
-                       "num_layers": len(group.layer_names)})
-        for name in group.layer_names:
-            s = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-            if isinstance(s, MambaSpec) and mamba_layer is None:
-                mamba_layer = ctx.get(name)
-            elif isinstance(s, AttentionSpec) and attn_layer is None:
-                attn_layer = ctx.get(name)
+    groups = [{"group": g, "spec": type(group.kv_cache_spec).__name__,
+               "block_size": int(getattr(group.kv_cache_spec, "block_size", 0) or 0) or None,
+               "num_layers": len(group.layer_names)} for g, group in enumerate(surface.kv_cache_groups(runner))]
+    mamba_layer, attn_layer = _first_layer(runner, "gdn"), _first_layer(runner, "attn")
     budget = sc.max_num_scheduled_tokens or sc.max_num_batched_tokens
     out: dict[str, Any] = {
         "device": str(getattr(current_platform, "device_type", "") or "") or None,
@@ -152,28 +147,69 @@ def effective_config(runner: Any) -> dict[str, Any]:
         "enforce_eager": bool(mc.enforce_eager),
         "gdn_layer": None,
     }
+    out |= retention_facts(runner)
     if mamba_layer is not None:
-        cache = getattr(mamba_layer, "kv_cache", None) or ()
-        if len(cache) >= 2:
-            out["conv_state_dtype"], out["ssm_state_dtype"] = _dtype_name(cache[0]), _dtype_name(cache[1])
-        try:
-            from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
-
-            out["conv_state_layout"] = str(get_conv_state_layout())
-        except ImportError:
-            pass
-        if "GatedDeltaNet" in type(mamba_layer).__name__:
-            out["gdn_layer"] = type(mamba_layer).__name__
-            out["gdn_decode_kernel"] = getattr(mamba_layer, "gdn_decode_kernel", None)
-            if current_platform.is_cpu():
-                out |= cpu_gdn_path()
-                conv = getattr(mamba_layer, "conv1d", None)
-                out["gdn_conv_weight_packed"] = hasattr(conv, "_cpu_unpacked_conv_weight")
+        out |= _mamba_facts(mamba_layer, current_platform.is_cpu())
     if attn_layer is not None:
-        cache = getattr(attn_layer, "kv_cache", None)
-        out["kv_cache_dtype"] = _dtype_name(cache)
-        backend = getattr(attn_layer, "attn_backend", None)
-        out["attention_backend"] = backend.get_name() if backend is not None else None
-        isa = getattr(attn_layer, "isa", None)  # CPU_ATTN only
-        out["cpu_attention_isa"] = str(isa) if isa is not None else None
+        out |= _attention_facts(attn_layer)
     return out
+
+
+def retention_facts(runner: Any) -> dict[str, Any]:
+    """``effective`` keys of the engine's resolved prefix-cache retention (``surface.retention_interval``).
+
+    vLLM 0.32 keeps mamba (and sliding-window) checkpoints only where its
+    retention policy says (``v1/core/single_type_kv_cache_manager.py``): at 0,
+    its default, only a prompt's replay boundary and shared-prefix junctions,
+    so a state saved while decoding is never reused; at None every block
+    boundary; at N > 0 one per N tokens. It decides which hit lengths a later
+    request can get, so it is recorded as the engine resolved it.
+
+    Returns:
+        ``{"prefix_cache_retention_interval": int or None (tokens; None = dense),
+        "prefix_cache_retention": "boundaries" | "dense" | "every N tokens"}``,
+        or ``{}`` where the engine has no such setting.
+    """
+    known, v = surface.retention_interval(runner)
+    if not known:
+        return {}
+    text = "dense" if v is None else "boundaries" if v == 0 else f"every {v} tokens"
+    return {"prefix_cache_retention_interval": v, "prefix_cache_retention": text}
+
+
+def _first_layer(runner: Any, kind: str) -> Any:
+    """The first layer module of ``kind`` ("gdn" or "attn", ``surface.spec_kind``), or None."""
+    ctx = surface.forward_context(runner)
+    layers = (ctx.get(name) for _, name, spec in surface.layer_specs(runner) if surface.spec_kind(spec) == kind)
+    return next((layer for layer in layers if layer is not None), None)
+
+
+def _mamba_facts(layer: Any, cpu: bool) -> dict[str, Any]:
+    """``effective`` keys read from the first mamba layer: state dtypes and layout, the GDN layer and path."""
+    out: dict[str, Any] = {}
+    cache = getattr(layer, "kv_cache", None) or ()
+    if len(cache) >= 2:
+        out["conv_state_dtype"], out["ssm_state_dtype"] = _dtype_name(cache[0]), _dtype_name(cache[1])
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        out["conv_state_layout"] = str(get_conv_state_layout())
+    except ImportError:
+        pass
+    if "GatedDeltaNet" in type(layer).__name__:
+        out["gdn_layer"] = type(layer).__name__
+        out["gdn_decode_kernel"] = getattr(layer, "gdn_decode_kernel", None)
+        if cpu:
+            out |= cpu_gdn_path()
+            conv = getattr(layer, "conv1d", None)
+            out["gdn_conv_weight_packed"] = hasattr(conv, "_cpu_unpacked_conv_weight")
+    return out
+
+
+def _attention_facts(layer: Any) -> dict[str, Any]:
+    """``effective`` keys read from the first attention layer: cache dtype, backend, CPU kernel ISA."""
+    backend = getattr(layer, "attn_backend", None)
+    isa = getattr(layer, "isa", None)  # CPU_ATTN only
+    return {"kv_cache_dtype": _dtype_name(getattr(layer, "kv_cache", None)),
+            "attention_backend": backend.get_name() if backend is not None else None,
+            "cpu_attention_isa": str(isa) if isa is not None else None}

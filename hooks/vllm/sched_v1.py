@@ -75,8 +75,20 @@ def one_block_per_step(sched: Any) -> int:
 
     Raises:
         ExactReplayError: chunked prefill is off (a prompt longer than one
-            block could then never be scheduled), or the engine's budget is
-            smaller than one block (its buffers cannot hold a block).
+            block could then never be scheduled), the engine's budget is
+            smaller than one block (its buffers cannot hold a block), or a
+            parallel drafter's draft slots leave less than one block of the
+            step's input budget (below).
+
+    A parallel drafter (DFlash: ``K`` slots, DSpark and P-EAGLE: ``K - 1``;
+    ``SpeculativeConfig.max_num_new_slots_for_drafting``) reserves its draft
+    slots from ``max_num_batched_tokens`` in every step
+    (``Scheduler.schedule``: a chunk is at most ``input_budget - draft_slots``),
+    and the align-mode split rounds a hybrid's prefill chunk down to whole
+    blocks: with ``max_num_batched_tokens - slots < block`` it schedules 0
+    tokens forever (measured: DFlash on the tiny hybrid at
+    ``max_num_batched_tokens`` = block size never finished its first request).
+    The chunk stays one block when ``max_num_batched_tokens >= block + slots``.
     """
     block = int(sched.cache_config.block_size)
     budget = int(sched.max_num_scheduled_tokens)
@@ -88,6 +100,15 @@ def one_block_per_step(sched: Any) -> int:
             f"exact replay schedules one block ({block} tokens, the engine's block size) per step, "
             f"but the engine's step budget is {budget} tokens: pass --max-num-batched-tokens {block} "
             "or more")
+    spec = getattr(getattr(sched, "vllm_config", None), "speculative_config", None)
+    slots = int(getattr(spec, "max_num_new_slots_for_drafting", 0) or 0) if spec is not None else 0
+    inputs = int(sched.scheduler_config.max_num_batched_tokens)
+    if slots and inputs - slots < block:
+        raise ExactReplayError(
+            f"exact replay schedules one block ({block} tokens) per step, but the drafter "
+            f"({getattr(spec, 'method', None)}) reserves {slots} draft slots of the engine's {inputs}-token step "
+            f"input (max_num_batched_tokens), leaving {inputs - slots}: vLLM's block-aligned prefill split would "
+            f"then schedule nothing, forever; pass --max-num-batched-tokens {block + slots} or more")
     sched.max_num_scheduled_tokens = block
     sched.scheduler_config.max_num_scheduled_tokens = block
     return block

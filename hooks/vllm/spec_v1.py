@@ -65,49 +65,15 @@ same one).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Any
 
 import torch
 
-from ..faults import Site
-from .faults_v1 import FeatureRows
-
-KIND = "drafter.input"
-ROLE = "drafter"
-WINDOW = 4  # rows kept after each block boundary (module docstring)
-
-
-@dataclasses.dataclass
-class Acceptance:
-    """Per-request acceptance, accumulated over verification steps."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verification step: ``num_draft_tokens`` proposed, the first ``num_accepted`` taken."""
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    def to_json(self) -> dict:
-        mean = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-        return dataclasses.asdict(self) | {"mean_acceptance_length": mean}
-
-
-def keep_row(position: int, prompt_len: int, block_size: int, window: int) -> bool:
-    """The row-selection rule of the module docstring (``position`` = tokens summarised)."""
-    r = position % block_size
-    return r == 0 or 1 <= r <= window or position == prompt_len
-
+from statediff_hooks.faults import Site
+from statediff_hooks.shared import DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, drafter_rows, keep_row
+from statediff_hooks.vllm import surface
+from statediff_hooks.vllm.faults_v1 import FeatureRows
 
 class SpecCapture:
     """Drafter inputs and acceptance for one V1 runner; owned by ``v1.V1Capture``."""
@@ -122,7 +88,7 @@ class SpecCapture:
         self.uses_hidden = sc.use_eagle() or sc.use_dflash()
         n_layers = runner.model_config.get_total_num_hidden_layers()
         if self.use_aux:
-            self.layers = sorted(int(x) for x in _aux_holder(runner.get_model()).aux_hidden_state_layers)
+            self.layers = surface.aux_layer_ids(runner)
             self.modules = [f"drafter.aux.{L}" for L in self.layers]
         elif self.uses_hidden:
             self.layers, self.modules = [n_layers], ["drafter.hidden"]
@@ -139,14 +105,13 @@ class SpecCapture:
                   f"{'no hidden states' if not self.layers else f'layers {self.layers}'}",
                   file=sys.stderr, flush=True)
         dm = getattr(sc, "draft_model_config", None)
-        self.rec.writer.update_run(drafter={
+        self.rec.set_run(drafter={
             "method": self.method, "model": getattr(sc, "model", None),
             "architecture": (getattr(dm.hf_config, "architectures", None) or [None])[0] if dm else None,
             "num_speculative_tokens": sc.num_speculative_tokens,
             "input": "aux_hidden_states" if self.use_aux else "hidden_states" if self.layers else None,
             "tapped_layers": self.layers,
-            "rows": {"rule": "verified rows at position % block_size in {0, 1..window} or == prompt_len",
-                     "block_size": self.block_size, "window": self.window},
+            "rows": drafter_rows(self.block_size, self.window),
         })
 
     # -- per step ------------------------------------------------------------
@@ -160,22 +125,23 @@ class SpecCapture:
             RuntimeError: the batch layout does not match the scheduler output
                 (recording stops; the engine continues).
         """
-        so = args["scheduler_output"]
-        runner = self.cap.runner
+        call = surface.drafter_call(args)
+        so = call.scheduler_output
         steps = {sr.req_id: sr for sr in self.cap.step}
-        req_ids = list(runner.input_batch.req_ids)
-        counts = [int(so.num_scheduled_tokens.get(rid, 0)) for rid in req_ids]
-        if sum(counts) != int(so.total_num_scheduled_tokens):
+        req_ids = surface.batch_request_ids(self.cap.runner)
+        scheduled = surface.scheduled_tokens(so)
+        counts = [int(scheduled.get(rid, 0)) for rid in req_ids]
+        if sum(counts) != surface.total_scheduled_tokens(so):
             raise RuntimeError(f"drafter capture: batch rows {sum(counts)} != scheduled tokens "
-                               f"{so.total_num_scheduled_tokens}")
-        sampled = _rows(args["sampled_token_ids"])
-        feats = self._features(args)
+                               f"{surface.total_scheduled_tokens(so)}")
+        sampled = _rows(call.sampled_token_ids)
+        feats = self._features(call)
         picks: list[tuple[int, Any, int]] = []  # (global row, StepReq, position)
         offset = 0
         for i, (rid, n) in enumerate(zip(req_ids, counts)):
             sr = steps.get(rid)
             if sr is not None:
-                drafts = list(so.scheduled_spec_decode_tokens.get(rid) or ())
+                drafts = surface.draft_tokens(so, rid)
                 accepted = 0
                 if drafts:
                     valid = sampled[i] if i < len(sampled) else []
@@ -192,29 +158,29 @@ class SpecCapture:
 
     # -- internals -----------------------------------------------------------
 
-    def _features(self, args: dict[str, Any]) -> list[torch.Tensor]:
+    def _features(self, call: surface.DrafterCall) -> list[torch.Tensor]:
         if self.use_aux:
-            aux = args["aux_hidden_states"]
+            aux = call.aux_hidden_states
             if aux is None or len(aux) != len(self.layers):
                 raise RuntimeError(f"drafter capture: {0 if aux is None else len(aux)} aux hidden states "
                                    f"for tapped layers {self.layers}")
             return list(aux)
-        return [args["hidden_states"]] if self.layers else []
+        return [call.hidden_states] if self.layers else []
 
     def _observe(self, sr: Any, first: int, drafts: list[int], accepted: int) -> None:
         acc = self.acc.setdefault(sr.index, Acceptance())
         acc.observe(len(drafts), accepted)
         ids = None if any(t < 0 for t in drafts) else [int(t) for t in drafts]
         self.steps.setdefault(sr.index, []).append([first, ids, accepted])
-        self.rec.writer.update_request(sr.index, acceptance=acc.to_json(), spec_steps=self.steps[sr.index])
+        self.rec.set_request(sr.index, acceptance=acc.to_json(), spec_steps=self.steps[sr.index])
 
     def _record(self, feats: list[torch.Tensor], picks: list[tuple[int, Any, int]]) -> None:
         idx = torch.tensor([g for g, _, _ in picks], dtype=torch.long, device=feats[0].device)
         for t, layer, module in zip(feats, self.layers, self.modules):
             # one gather per layer; summaries on the device, host copies of the kept rows only
             self.rec.tensors(t.index_select(0, idx), [
-                dict(request=sr.index, position=pos, layer=layer, kind=KIND, role=ROLE, module=module)
-                for _, sr, pos in picks])
+                dict(request=sr.index, position=pos, layer=layer, kind=DRAFTER_KIND, role=DRAFTER_ROLE,
+                     module=module) for _, sr, pos in picks])
 
     def _maybe_fault(self, sr: Any, feats: list[torch.Tensor], offset: int, verified: int) -> None:
         """``drafter-perturb``: negate one tapped layer's rows right after the first eligible hit."""
@@ -236,13 +202,3 @@ def _rows(sampled: Any) -> list[list[int]]:
     if isinstance(sampled, torch.Tensor):
         return sampled.to("cpu").tolist()
     return [list(r) for r in (sampled or [])]
-
-
-def _aux_holder(model: Any) -> Any:
-    """The module holding ``aux_hidden_state_layers`` (as ``SupportsEagle3.set_aux_hidden_state_layers`` finds it)."""
-    parent = model
-    if hasattr(model, "get_language_model"):
-        parent = model.get_language_model()
-    elif hasattr(model, "language_model"):
-        parent = model.language_model
-    return getattr(parent, "model", parent)

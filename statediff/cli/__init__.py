@@ -1,7 +1,7 @@
 """The ``statediff`` command line: the click group, its error handling, and the commands it holds.
 
-Each command (one module each: compare, calibrate, inspect, recover,
-extract, report) parses its options, calls one library function and exits
+Each command (one module each: audit, compare, calibrate, inspect, verify,
+recover, extract, report) parses its options, calls one library function and exits
 with the result's ``exit_code``: 0 same / nothing found, 1 divergence, 2
 error. Every error is one line on stderr, ``statediff: error: ...``, exit 2
 (``STATEDIFF_DEBUG=1``: the traceback of unexpected ones). Engine-side
@@ -11,6 +11,8 @@ commands (``record``, ...) are entry points of group ``statediff.commands``
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import sys
 from importlib.metadata import EntryPoint, entry_points
@@ -22,12 +24,14 @@ from statediff import __version__
 from statediff.errors import StatediffError
 
 from . import plugins
+from .audit import audit_cmd
 from .calibrate import calibrate_cmd
 from .compare import compare_cmd
 from .extract import extract_cmd
 from .inspect import inspect_cmd
 from .recover import recover_cmd
 from .report import report_cmd
+from .verify import verify_cmd
 
 # click >= 8.2 raises this for a bare group invocation; older versions print the help themselves
 _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)
@@ -35,6 +39,14 @@ _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)
 
 def _error(message: str) -> None:
     click.echo("statediff: error: " + " ".join(str(message).split()), err=True)
+
+
+def _output_failed(e: OSError) -> None:
+    """Stdout could not be written (full disk, closed pipe): one line on stderr, and what is still
+    buffered for stdout dropped, so that Python's exit does not report it again."""
+    _error(f"cannot write the output: {e.strerror}")
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _plugin_entry_points() -> dict[str, EntryPoint]:
@@ -91,9 +103,12 @@ class StatediffGroup(click.Group):
             _error(str(e))
             code = 2
         except Exception as e:
-            if os.environ.get("STATEDIFF_DEBUG", "") not in ("", "0"):
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EPIPE):
+                _output_failed(e)  # stdout is full or closed: one line, not "unexpected"
+            elif os.environ.get("STATEDIFF_DEBUG", "") not in ("", "0"):
                 raise
-            _error(f"unexpected {type(e).__name__}: {e} (set STATEDIFF_DEBUG=1 for a traceback)")
+            else:
+                _error(f"unexpected {type(e).__name__}: {e} (set STATEDIFF_DEBUG=1 for a traceback)")
             code = 2
         if standalone_mode:
             sys.exit(code)
@@ -109,7 +124,7 @@ def cli() -> None:
     """
 
 
-for _cmd in (compare_cmd, calibrate_cmd, inspect_cmd, recover_cmd, extract_cmd, report_cmd):
+for _cmd in (audit_cmd, compare_cmd, calibrate_cmd, inspect_cmd, recover_cmd, extract_cmd, report_cmd, verify_cmd):
     cli.add_command(_cmd)
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted, warn
+from .shared import (OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted,
+                     refuse_existing, warn)
 
 
 @click.command("compare", short_help="Name the first divergent tensor of HIT vs COLD.")
@@ -16,7 +17,9 @@ from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_op
 @json_option("the report")
 @click.option("--plot", type=OUT_FILE, metavar="OUT.png",
               help="Also write per-request heatmaps of the error over layer x position (needs matplotlib); "
-                   "a plot that cannot be written is a warning and leaves the exit code alone.")
+                   "a plot that cannot be written is a warning and leaves the exit code alone; an existing "
+                   "file needs --overwrite.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --plot file.")
 @click.option("--max-listed", type=click.IntRange(0), default=10, show_default=True,
               help="How many divergences after the first to list.")
 @click.option("--first", is_flag=True,
@@ -24,7 +27,7 @@ from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_op
                    "diagnose it; later divergences are neither judged nor counted.")
 @click.pass_context
 def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_json: bool, plot: Path | None,
-                max_listed: int, first: bool) -> None:
+                overwrite: bool, max_listed: int, first: bool) -> None:
     """Name the first tensor where the HIT trace diverges from the COLD trace.
 
     Pairs tensors by (request, position, layer, kind), judges each pair
@@ -48,6 +51,9 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     from statediff.incident.bundle import compare_bundle, looks_like_bundle
 
     if plot is not None:
+        if not plot.name:  # "" and "." are no file name: it would write a hidden ".png"
+            raise StatediffError(f"--plot {str(plot)!r}: give a file name, such as heatmap.png")
+        refuse_existing(plot, overwrite, inputs=(hit,) if cold is None else (hit, cold))
         require_matplotlib()
     kw = dict(max_listed=max_listed, progress=progress_wanted(as_json), stop_at_first=first)
     if cold is not None:

@@ -8,7 +8,7 @@ import click
 
 from statediff.errors import StatediffError
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option
+from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, refuse_existing
 
 
 @click.command("report", short_help="Write the incident record (Markdown) of HIT vs COLD.")
@@ -16,10 +16,12 @@ from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_op
 @click.argument("cold", type=PATH)
 @click.option("-o", "--output", type=OUT_FILE, metavar="REPORT.md",
               help="Write the Markdown here instead of printing it.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing REPORT.md.")
 @compare_options
 @json_option("the record")
 @click.pass_context
-def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, options, as_json: bool) -> None:
+def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, overwrite: bool, options,
+               as_json: bool) -> None:
     """The incident record of HIT vs COLD, in Markdown ready to paste into an issue.
 
     Engine version and commit, checkpoint and quantization, drafter, method
@@ -31,6 +33,8 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
     """
     from statediff.incident.record import build_report
 
+    if output is not None:
+        refuse_existing(output, overwrite, inputs=(hit, cold))
     report = build_report(compare_pair(hit, cold, options), options)
     if output is not None:
         try:

@@ -12,11 +12,11 @@ from typing import Any
 
 import click
 
+from statediff.diff.defaults import DEFAULT_FACTOR
 from statediff.errors import StatediffError
 
 PATH = click.Path(path_type=Path)
 OUT_FILE = click.Path(dir_okay=False, path_type=Path)
-DEFAULT_NOISE_FACTOR = 4.0  # statediff.diff.noise.DEFAULT_FACTOR, repeated to keep 'statediff --help' light
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -25,6 +25,25 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.abspath(a) == os.path.abspath(b)
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """The same file by path or by inode (``_same_file``)."""
+    return _same_file(a, b)
+
+
+def refuse_existing(path: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) -> None:
+    """Refuse to replace ``path`` without ``--overwrite``, and ever when it is one of ``inputs``
+    (``--overwrite`` would destroy the trace being read), before any work.
+
+    Raises:
+        StatediffError: ``path`` exists and ``overwrite`` is off, or ``path`` is an input.
+    """
+    for src in inputs:
+        if path.exists() and same_file(path, src):
+            raise StatediffError(f"{path} is one of the inputs: write the output elsewhere")
+    if path.exists() and not overwrite:
+        raise StatediffError(f"{path} already exists (use --overwrite to replace it)")
 
 
 def warn(message: str) -> None:
@@ -103,7 +122,7 @@ def compare_options(f: Callable) -> Callable:
                      help="Noise file from 'statediff calibrate': allow NOISE_FACTOR x the calibrated max "
                           "abs error of each (layer, kind), plus 0.1 x the dtype default as a floor."),
         click.option("--noise-factor", type=float, default=None,
-                     help=f"Allowed multiple of the calibrated noise envelope  [default: {DEFAULT_NOISE_FACTOR:g}; "
+                     help=f"Allowed multiple of the calibrated noise envelope  [default: {DEFAULT_FACTOR:g}; "
                           "a bundle's own]."),
         click.option("--allow-engine-mismatch", is_flag=True,
                      help="Compare traces of different models/configs; tensors without a counterpart are listed."),

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from statediff.errors import MismatchError
+from statediff.errors import MismatchError, NotComparableError
 from statediff.trace.reader import Trace
 from statediff.trace.schema import IDENTITY_KEYS, DigestEntry, TensorEntry
 
@@ -114,16 +114,22 @@ def align(hit: Sequence[Entry], cold: Sequence[Entry]) -> Plan:
 
 
 def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
-                     names: tuple[str, str] = ("hit", "cold")) -> list[str]:
+                     names: tuple[str, str] = ("hit", "cold"),
+                     mismatch_hint: str = "use --allow-engine-mismatch to compare anyway") -> list[str]:
     """Refuse two traces that cannot be compared; return warnings for the report.
 
     Refuses when both traces know a value of ``schema.IDENTITY_KEYS`` and the
     values differ (different model or config), unless
-    ``allow_engine_mismatch``; and always when their ``replay`` modes differ.
-    A value known on one side only is a warning, not a refusal.
+    ``allow_engine_mismatch`` (the refusal ends with ``mismatch_hint``, what the caller
+    offers instead); when both name their engine version and the versions differ,
+    unless ``allow_engine_mismatch`` (then a warning naming both: they are judged by
+    tolerance); and always when their ``replay`` modes differ. A value known on one
+    side only is a warning, not a refusal.
 
     Raises:
         MismatchError: one line naming the first differing key and both values.
+        NotComparableError: two engine versions ("runs not comparable", both named); two block
+            sizes, with or without ``allow_engine_mismatch``.
     """
     warnings = []
     for key in IDENTITY_KEYS:
@@ -133,15 +139,21 @@ def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
                 side = names[0] if va is None else names[1]
                 warnings.append(f"{key} is unknown in the {side} trace: cannot check it matches")
             continue
+        if va != vb and key == "block_size":  # even across engines: positions would pair other tokens' blocks
+            raise NotComparableError(
+                f"runs not comparable: block_size differs ({names[0]} {va!r}, {names[1]} {vb!r}); their K/V "
+                "blocks and state checkpoints cover different tokens, --allow-engine-mismatch or not (record "
+                "both with the same --block-size)")
         if va != vb:
             if not allow_engine_mismatch:
                 raise MismatchError(
                     f"traces differ in {key} ({names[0]} {va!r}, {names[1]} {vb!r}): "
-                    "different model or config (use --allow-engine-mismatch to compare anyway)"
+                    f"different model or config ({mismatch_hint})"
                 )
             warnings.append(f"engine mismatch allowed: {key} differs ({names[0]} {va!r}, {names[1]} {vb!r})")
+    warnings += _engine_versions(a.run, b.run, allow_engine_mismatch, names)
     ra, rb = a.run.get("replay"), b.run.get("replay")
-    if ra != rb:
+    if ra != rb and not split_form_pair(a.run, b.run):
         raise MismatchError(
             f"traces were replayed differently ({names[0]} replay={ra!r}, {names[1]} replay={rb!r}): "
             "record both with the same replay mode"
@@ -152,9 +164,41 @@ def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
     return warnings
 
 
+def versions_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Both runs (run metadata) name their engine version, and the versions differ."""
+    va, vb = a.get("engine_version"), b.get("engine_version")
+    return va is not None and vb is not None and va != vb
+
+
+def _engine_versions(a: Mapping[str, Any], b: Mapping[str, Any], allow: bool, names: tuple[str, str]) -> list[str]:
+    """Two engine versions: "runs not comparable" (one line naming both), or with ``allow`` a warning
+    that names both and says they are judged by tolerance (``both_exact`` is then False)."""
+    if not versions_differ(a, b):
+        return []
+    both = (f"the {names[0]} trace was recorded on {a.get('engine') or 'an engine'} {a['engine_version']}, "
+            f"the {names[1]} trace on {b.get('engine') or 'an engine'} {b['engine_version']}")
+    if not allow:
+        raise NotComparableError(f"runs not comparable: {both} (--allow-engine-mismatch compares them by "
+                                 "tolerance)")
+    return [f"engine versions differ: {both}; judged by tolerance, not bit identity"]
+
+
 def both_exact(a: Trace, b: Trace) -> bool:
-    """Both traces replayed with identical chunking (a clean pair is bit-identical)."""
-    return a.run.get("replay") == "exact" and b.run.get("replay") == "exact"
+    """Both traces replayed with identical chunking on the same engine version (a clean pair is
+    bit-identical; two versions are judged by tolerance): both exact, or a split-form cold run
+    against the hit trace it was shaped like (``split_form_pair``)."""
+    same_chunks = (a.run.get("replay") == "exact" and b.run.get("replay") == "exact") or split_form_pair(a.run, b.run)
+    return same_chunks and not versions_differ(a.run, b.run)
+
+
+def split_form_pair(hit_run: Mapping[str, Any], cold_run: Mapping[str, Any]) -> bool:
+    """A cold run of the split form (``record --mode cold --exact-split --split-like HIT``) against a
+    hit trace recorded with the engine's own chunking but not by ``record --exact-split``: a
+    deployment's plugin trace (``STATEDIFF_TRACE``: replay not recorded) or a default-replay hit
+    run. The split form's hit run is exactly such a run, so the pair is exact."""
+    return (cold_run.get("replay") == "exact" and cold_run.get("exact_form") == "split"
+            and bool(cold_run.get("split_plan")) and hit_run.get("replay") in (None, "default")
+            and hit_run.get("mode") in ("hit", None))
 
 
 # Effective engine configuration (run key ``effective``, docs/trace-format.md) that decides

@@ -70,7 +70,8 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
         StatediffError: the output file cannot be written.
     """
     with open_trace(a_path) as a, open_trace(b_path) as b:
-        warnings = check_comparable(a, b, names=("first", "second"))
+        warnings = check_comparable(a, b, names=("first", "second"),
+                                    mismatch_hint="calibrate two cold runs of the same model and config")
         for t in (a, b):
             if t.run.get("mode") not in (None, "cold"):
                 warnings.append(f"{t.path} is a {t.run.get('mode')!r} run, not a cold run")

@@ -35,11 +35,15 @@ from statediff.trace.schema import DigestEntry
 from statediff.trace.summary import Summary, estimate_l2, l2_budget
 
 from .align import (Entry, Pair, Plan, StreamPart, align, both_exact, check_comparable, check_scheduling,
-                    stream_part)
+                    stream_part, versions_differ)
+from .band import BandSummary, band
+from .band import applies as band_applies
 from .diagnose import DigestCache, diagnose, has_data, match_block
 from .diverge import classify
 from .metrics import PairMetrics, measure_pair
-from .noise import DEFAULT_FACTOR, load_noise
+from .defaults import DEFAULT_FACTOR
+from .noise import load_noise
+from .drafts import DraftDiff, first_draft_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
                      InputsDiffer, RequestRow, SketchJudgement, TraceSide, Unpaired)
@@ -99,60 +103,90 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
     paths = Pair(hit_path, cold_path)
     with contextlib.ExitStack() as stack:
         traces = paths.map(lambda p: stack.enter_context(open_trace(p)))
-        hit, cold = traces
-        incomplete = tuple(f"the {side} trace {path} is incomplete: {t.partial_reason}"
-                           for side, path, t in zip(("hit", "cold"), paths, traces) if t.partial)
-        if incomplete and not allow_incomplete:
-            raise StatediffError(f"{incomplete[0]}; refusing to compare it (--allow-incomplete compares "
-                                 "the requests it holds)")
-        warnings = check_comparable(hit, cold, allow_engine_mismatch=allow_engine_mismatch)
-        if hit.run.get("mode") == "cold" and cold.run.get("mode") == "hit":
-            raise MismatchError(f"arguments look swapped: {hit_path} is a cold run and {cold_path} "
-                                "a hit run (usage: statediff compare HIT COLD)")
-        exact = both_exact(hit, cold)
-        warnings += check_scheduling(hit, cold, exact=exact, allow_engine_mismatch=allow_engine_mismatch)
-        if model is not None:
-            if exact and not allow_noise_in_exact:
-                raise StatediffError(
-                    f"both traces replayed exactly, where any differing bit is a finding; refusing "
-                    f"noise file {noise} (use --allow-noise-in-exact to judge by it anyway)")
-            model.check_matches(cold, check_replay=not allow_noise_in_exact)
-        policy = Policy(rules, exact, model)
+        incomplete = _incomplete(paths, traces, allow_incomplete)
+        warnings, exact = _comparable(paths, traces, allow_engine_mismatch)
+        policy = _policy(rules, exact, model, noise, traces.cold, allow_noise_in_exact)
         plan = align(*traces.map(lambda t: [*t.entries, *getattr(t, "digests", ())]))
-        indices = sorted(set(hit.requests) | set(cold.requests))
-        parts = {i: p for i in indices if (p := stream_part(hit.requests, cold.requests, i)) is not None}
+        indices = sorted(set(traces.hit.requests) | set(traces.cold.requests))
+        parts = {i: p for i in indices if (p := stream_part(traces.hit.requests, traces.cold.requests, i)) is not None}
         digests = DigestCache()
         judged = _judge(plan, traces, policy, parts, digests, progress, stop_at_first)
         if judged.no_envelope:
             warnings.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
                             f"{'bit identity' if exact else 'dtype defaults'}")
-        found = judged.found
-        divergences = _divergences(found, classify(found, hit.requests))
+        divergences = _divergences(judged.found, classify(judged.found, traces.hit.requests))
         out_tol = OutputTolerance(exact=exact and model is None)
-        rows = _requests(traces, indices, parts, out_tol)
-        rows, hit_findings = _hits(traces, rows)
-        output_diff = next((r.output_diff for r in rows if r.output_diff is not None), None)
+        rows, hit_findings = _hits(traces, _requests(traces, indices, parts, out_tol))
+        output_diff = next((r.output_diff for r in rows if r.output_diff is not None and not r.output_diff.near_tie), None)
+        near_ties = tuple(r.output_diff for r in rows if r.output_diff is not None and r.output_diff.near_tie)
+        draft_diff = _drafts(traces, indices) if out_tol.exact and output_diff is None else None
         if not allow_engine_mismatch:
-            _refuse_before_any_hit(hit, divergences, output_diff)
-        diagnoses = _diagnose(found, divergences, traces, policy, digests)
-        stopped_after = judged.judged if judged.stopped else None
+            _refuse_before_any_hit(traces.hit, divergences, output_diff)
         return CompareResult(
-            hit=TraceSide(str(hit_path), hit.partial, dict(hit.run), dict(hit.requests)),
-            cold=TraceSide(str(cold_path), cold.partial, dict(cold.run), dict(cold.requests)),
+            hit=_side(paths.hit, traces.hit), cold=_side(paths.cold, traces.cold),
             policy=policy.describe(), warnings=warnings, pairs=len(plan.pairs),
-            identical=judged.identical, divergences=divergences, diagnoses=diagnoses,
-            unpaired=_unpaired(plan, hit), requests=rows, scores=judged.scores,
-            max_listed=max_listed, bit_identity=exact and model is None, stopped_after=stopped_after,
-            outputs_policy=out_tol.describe(), output_diff=output_diff,
-            inputs_differ=InputsDiffer(tuple(parts[i] for i in sorted(parts)), len(judged.inputs_differ),
-                                       tuple(f"{p.cold.label()} [{p.hit.role}]"
-                                             for p in judged.inputs_differ[:max_listed])),
-            digests=DigestSummary(judged.digest_pairs, judged.digest_identical, len(judged.unjudged),
-                                  tuple(p.cold.label() for p in judged.unjudged[:MAX_UNPAIRED_LISTED]),
-                                  by_digest=judged.digest_by_digest, by_estimate=judged.digest_by_estimate,
-                                  beyond_estimate=judged.digest_beyond_estimate),
-            block_tables=_block_tables(traces), outside_capture=_outside_capture(hit),
-            hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete)
+            identical=judged.identical, divergences=divergences,
+            diagnoses=_diagnose(judged.found, divergences, traces, policy, digests),
+            unpaired=_unpaired(plan, traces.hit), requests=rows, scores=judged.scores,
+            max_listed=max_listed, bit_identity=exact and model is None,
+            stopped_after=judged.judged if judged.stopped else None,
+            outputs_policy=out_tol.describe(), output_diff=output_diff, draft_diff=draft_diff,
+            inputs_differ=_inputs_differ(judged, parts, max_listed), digests=_digest_summary(judged),
+            block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
+            hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
+            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok))
+
+
+def _incomplete(paths: Pair, traces: Pair[Trace], allow: bool) -> tuple[str, ...]:
+    """One line per incomplete trace; refused unless ``allow`` (``--allow-incomplete``)."""
+    incomplete = tuple(f"the {side} trace {path} is incomplete: {t.partial_reason}"
+                       for side, path, t in zip(("hit", "cold"), paths, traces) if t.partial)
+    if incomplete and not allow:
+        raise StatediffError(f"{incomplete[0]}; refusing to compare it (--allow-incomplete compares "
+                             "the requests it holds)")
+    return incomplete
+
+
+def _comparable(paths: Pair, traces: Pair[Trace], allow_engine_mismatch: bool) -> tuple[list[str], bool]:
+    """Refuse incomparable traces (model identity and replay mode, swapped arguments, effective
+    scheduling); returns the warnings and whether both replayed exactly."""
+    hit, cold = traces
+    warnings = check_comparable(hit, cold, allow_engine_mismatch=allow_engine_mismatch)
+    if hit.run.get("mode") == "cold" and cold.run.get("mode") == "hit":
+        raise MismatchError(f"arguments look swapped: {paths.hit} is a cold run and {paths.cold} "
+                            "a hit run (usage: statediff compare HIT COLD)")
+    exact = both_exact(hit, cold)
+    warnings += check_scheduling(hit, cold, exact=exact, allow_engine_mismatch=allow_engine_mismatch)
+    return warnings, exact
+
+
+def _policy(rules: tuple[Rule, ...], exact: bool, model, noise: PathLike | None, cold: Trace,
+            allow_noise_in_exact: bool) -> Policy:
+    """The tolerance policy; a noise file is refused in exact mode (unless allowed) and when it was
+    calibrated on other traces."""
+    if model is not None:
+        if exact and not allow_noise_in_exact:
+            raise StatediffError(
+                f"both traces replayed exactly, where any differing bit is a finding; refusing "
+                f"noise file {noise} (use --allow-noise-in-exact to judge by it anyway)")
+        model.check_matches(cold, check_replay=not allow_noise_in_exact)
+    return Policy(rules, exact, model)
+
+
+def _side(path: PathLike, t: Trace) -> TraceSide:
+    return TraceSide(str(path), t.partial, dict(t.run), dict(t.requests))
+
+
+def _inputs_differ(judged: "_Judging", parts: dict[int, StreamPart], max_listed: int) -> InputsDiffer:
+    return InputsDiffer(tuple(parts[i] for i in sorted(parts)), len(judged.inputs_differ),
+                        tuple(f"{p.cold.label()} [{p.hit.role}]" for p in judged.inputs_differ[:max_listed]))
+
+
+def _digest_summary(judged: "_Judging") -> DigestSummary:
+    return DigestSummary(judged.digest_pairs, judged.digest_identical, len(judged.unjudged),
+                         tuple(p.cold.label() for p in judged.unjudged[:MAX_UNPAIRED_LISTED]),
+                         by_digest=judged.digest_by_digest, by_estimate=judged.digest_by_estimate,
+                         beyond_estimate=judged.digest_beyond_estimate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +230,28 @@ class _Judging:
     digest_by_estimate: int = 0  # judged by the sketch estimate against the tolerance
     digest_beyond_estimate: int = 0
     unjudged: list[Pair[Entry]] = dataclasses.field(default_factory=list)
+    band_noise: int = 0  # default replay: beyond the dtype default, within the noise model (band.py)
+    band_unsure: list[tuple] = dataclasses.field(default_factory=list)
+    band_ok: bool = True  # the noise model may judge this pair (one engine version)
+
+    def by_band(self, c: Entry, rel_l2: float | None, high: float | None = None) -> bool:
+        """Whether the noise model (``band``) clears a default-replay pair of relative L2 error ``rel_l2``
+        (an estimate: its interval ``rel_l2``..``high``) that its dtype default would call divergent:
+        rounding noise, or between noise and a fault."""
+        b = band(rel_l2, high)
+        if b == "noise":
+            self.band_noise += 1
+        elif b == "unsure":
+            self.band_unsure.append((c.request, c.position, c.layer, c.kind, float(rel_l2)))
+        return b != "beyond"
 
 
 def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, StreamPart],
            digests: DigestCache, progress: bool, stop_at_first: bool) -> _Judging:
     """Judge every pair both runs reached with the same tokens (or up to the first divergent one)."""
     hit, cold = traces
-    j = _Judging()
+    # The noise model was measured on one engine version: two versions are judged by tolerance alone.
+    j = _Judging(band_ok=not versions_differ(hit.run, cold.run))
     for p in tqdm(plan.pairs, desc="comparing", unit="pair", disable=not progress, leave=False):
         c = p.cold
         part = parts.get(c.request)
@@ -216,16 +265,18 @@ def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, Str
         tol = policy.for_pair(p.hit, c)
         if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
             j.no_envelope += 1
+        use_band = j.band_ok and band_applies(tol.source, policy.exact, policy.noise is not None)
         if p.digest_only:
-            f = _judge_digest(p, traces, tol, digests, j)
+            f = _judge_digest(p, traces, tol, digests, j, use_band)
         else:
-            f = _judge_values(p, hit, cold, tol, j)
+            f = _judge_values(p, hit, cold, tol, j, use_band)
         if f is not None:
             j.found.append(f)
     return j
 
 
-def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, j: _Judging) -> _Found | None:
+def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, j: _Judging,
+                  use_band: bool = False) -> _Found | None:
     c = p.cold
     m = measure_pair(hit, p.hit, cold, c, tol) if p.same_shape else None
     if m is not None and m.identical:
@@ -238,11 +289,13 @@ def _judge_values(p: Pair[Entry], hit: Trace, cold: Trace, tol: Tolerance, j: _J
         return None
     reason = ("dtype/shape differ" if m is None else
               "NaN/Inf on one side only" if m.n_nonfinite else "beyond tolerance")
+    if reason == "beyond tolerance" and use_band and j.by_band(c, m.rel_l2):
+        return None
     return _Found(p, tol, m, reason)
 
 
 def _judge_digest(p: Pair[Entry], traces: Pair[Trace], tol: Tolerance, digests: DigestCache,
-                  j: _Judging) -> _Found | None:
+                  j: _Judging, use_band: bool = False) -> _Found | None:
     """A pair with no data on at least one side, judged by the two tensors' summaries
     (``statediff.trace.summary``; the side with data gives its recorded summary, or one computed
     from its data in traces older than format version 3).
@@ -292,6 +345,9 @@ def _judge_digest(p: Pair[Entry], traces: Pair[Trace], tol: Tolerance, digests: 
         j.digest_by_digest += 1
         return _Found(p, tol, None, "digest differs", (hd, cd), sketch)
     j.digest_by_estimate += 1
+    if est.low > budget and use_band and est.norm_cold > 0 and j.by_band(  # default replay: the noise model
+            c, est.low / est.norm_cold, est.high / est.norm_cold):
+        return None  # counted by the band (rounding noise, or cannot be judged), not as beyond
     if est.low > budget:
         j.digest_beyond_estimate += 1
         return _Found(p, tol, None, "beyond tolerance (sketch estimate)", (hd, cd), sketch)
@@ -401,6 +457,11 @@ def _requests(traces: Pair[Trace], indices: list[int], parts: dict[int, StreamPa
                              for a in (h.get("acceptance"), c.get("acceptance"))),
             output_diff=diff, stream_part=parts.get(i)))
     return rows
+
+
+def _drafts(traces: Pair[Trace], indices: list[int]) -> DraftDiff | None:
+    """Exact replay: the first verification step whose drafts differ (``drafts.first_draft_diff``)."""
+    return next((d for i in indices if (d := first_draft_diff(traces.map(lambda t: t.requests.get(i)), i))), None)
 
 
 def _hits(traces: Pair[Trace], rows: list[RequestRow]) -> tuple[list[RequestRow], tuple[str, ...]]:

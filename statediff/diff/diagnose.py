@@ -72,6 +72,11 @@ class Diagnosis:
     offset_tokens: int | None
     text: str
 
+    @property
+    def key(self) -> tuple[int, int, int, str]:
+        """The root's key (request, position, layer, kind), as ``Divergence.key``."""
+        return (self.request, self.position, self.layer, self.kind)
+
     def to_text(self) -> str:
         return self.text
 

@@ -181,12 +181,15 @@ class Accumulator:
         whose values are all finite on both sides takes a shorter path
         (``_update_finite``) with exactly the same results.
         """
-        if a_stored.size == 0:
-            self._update(a_stored, b_stored)
-        for i in range(0, a_stored.size, SUB_ELEMS):
-            a, b = a_stored[i:i + SUB_ELEMS], b_stored[i:i + SUB_ELEMS]
-            if not self._update_finite(a, b):
-                self._update(a, b)
+        # NaN/Inf are counted explicitly; casting a signalling NaN or squaring a huge value must not
+        # print numpy warnings (a damaged tensor's bytes decode to anything before its hash fails)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if a_stored.size == 0:
+                self._update(a_stored, b_stored)
+            for i in range(0, a_stored.size, SUB_ELEMS):
+                a, b = a_stored[i:i + SUB_ELEMS], b_stored[i:i + SUB_ELEMS]
+                if not self._update_finite(a, b):
+                    self._update(a, b)
 
     def _update_finite(self, a_stored: np.ndarray, b_stored: np.ndarray) -> bool:
         """The fast path; returns False (having changed nothing) unless every value is finite."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from statediff.errors import MismatchError, StatediffError
+from .defaults import DEFAULT_FACTOR
 from .tolerance import Tolerance, dtype_default
 from statediff.trace.schema import IDENTITY_KEYS
 
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 FORMAT = "statediff.noise"
 VERSION = 1
-DEFAULT_FACTOR = 4.0
+MAX_NOISE_BYTES = 64 << 20  # a noise file holds one small record per (layer, kind)
 FLOOR_SCALE = 0.1
 
 
@@ -114,6 +115,8 @@ def load_noise(path: str | Path, factor: float = DEFAULT_FACTOR) -> NoiseModel:
     if not (factor > 0 and math.isfinite(factor)):
         raise StatediffError(f"--noise-factor {factor!r} must be a positive number")
     try:
+        if Path(path).stat().st_size > MAX_NOISE_BYTES:  # a bundle's noise.json comes from a stranger
+            raise StatediffError(f"noise file {path} is over {MAX_NOISE_BYTES} bytes")
         doc = json.loads(Path(path).read_text())
     except OSError as e:
         raise StatediffError(f"cannot read noise file {path}: {e.strerror or e}") from None

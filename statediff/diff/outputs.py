@@ -72,6 +72,9 @@ class OutputDiff:
         hit_token, cold_token: the sampled ids (None past a run's last output).
         hit_logprob, cold_logprob: their log-probabilities in nats, when recorded.
         detail: one clause of context (e.g. where the cold run ranks the hit token).
+        near_tie: default replay only: the tokens differ and the cold run ranks the hit token
+            less than ``LOGPROB_ATOL`` nats below its own, so rounding of differently chunked
+            runs can flip the choice; reported, not a divergence (docs/replay.md).
     """
 
     request: int
@@ -83,6 +86,7 @@ class OutputDiff:
     hit_logprob: float | None = None
     cold_logprob: float | None = None
     detail: str = ""
+    near_tie: bool = False
 
     def text(self) -> str:
         """'request 3, output 3 (position 103): hit token 7 (logprob -0.51), cold token 42 (...)'."""
@@ -205,16 +209,17 @@ def first_output_diff(records: Pair[Mapping[str, Any] | None], request: int,
         ht, ct = h.tokens[i], c.tokens[i]
         hl, cl = h.logprob(i), c.logprob(i)
         if ht != ct:
-            detail = ""
+            detail, near = "", False
             ctop = c.topk(i)
             if ctop is not None and ht in ctop and cl is not None:
                 gap = cl - ctop[ht]
+                near = not tol.exact and gap < LOGPROB_ATOL
                 detail = ("a tie: the cold run gives the hit token the same logprob as its own" if gap == 0 else
                           f"the cold run ranks the hit token {gap:.3g} nats below its own (logprob {ctop[ht]:.7g})"
                           + (", a near tie" if gap <= LOGPROB_ATOL else ""))
             elif ctop is not None:
                 detail = f"the hit token is not in the cold run's top-{len(ctop)}"
-            return OutputDiff(request, i, pos, "token", ht, ct, hl, cl, detail)
+            return OutputDiff(request, i, pos, "token", ht, ct, hl, cl, detail, near)
         if hl is not None and cl is not None and not tol.close(hl, cl):
             return OutputDiff(request, i, pos, "logprob", ht, ct, hl, cl,
                               f"difference {hl - cl:.3g} nats")

@@ -9,8 +9,10 @@ The verdict (``CompareResult.cause``), first that applies: a captured
 tensor diverges ("tensor": DIVERGED at its root); the runner's block table
 differs from the scheduler's allocation ("block_table"); a sampled output
 or its log-probabilities differ while no captured tensor does ("outputs":
-the cause lies outside the captured state); else SAME. Never SAME while
-outputs differ.
+the cause lies outside the captured state); in exact replay, the drafts of a
+verification step (ids or acceptance) differ while the sampled tokens agree
+("drafts", ``drafts.DraftDiff``); else SAME. Never SAME while outputs or,
+in exact replay, drafts differ.
 
 Text layout: the diagnosis line first (when there is one), the verdict,
 both traces, the tolerance policy, how the traces were paired, outputs,
@@ -26,12 +28,15 @@ import math
 from typing import Any
 
 from statediff.jsonutil import jsonable
+from statediff.replay.command import focus_lines
+from statediff.replay.focus import focus_text
 from statediff.trace.summary import Estimate
 
 from .align import StreamPart
+from .band import BandSummary
 from .diagnose import Diagnosis
-from .focus import focus_commands, focus_spec
 from .metrics import PairMetrics
+from .drafts import DraftDiff
 from .outputs import OutputDiff
 from .tolerance import Tolerance
 
@@ -61,6 +66,7 @@ class TraceSide:
         state = "partial" if self.partial else "complete"
         return (f"{self.path} [{state}] mode={r.get('mode') or 'unknown'} "
                 f"replay={r.get('replay') or 'unknown'} engine={r.get('engine') or 'unknown'} "
+                f"{r.get('engine_version') or '(version unknown)'} "
                 f"model={r.get('model') or 'unknown'}")
 
     def to_json(self) -> dict:
@@ -303,7 +309,7 @@ class RequestRow:
 
     def to_text(self) -> str:
         p = self.prompt_len[0] if self.prompt_len[0] == self.prompt_len[1] else \
-            f"{self.prompt_len[0]}/{self.prompt_len[1]}"
+            "/".join("?" if n is None else str(n) for n in self.prompt_len)  # "?": not in that trace
         cached = "/".join("?" if c is None else str(c) for c in self.cached)
         exp = "?" if self.expected_hit is None else str(self.expected_hit)
         acc = ""
@@ -456,6 +462,7 @@ class CompareResult:
     stopped_after: int | None = None  # pairs judged when compare stopped at the first divergence (--first)
     outputs_policy: str = ""
     output_diff: OutputDiff | None = None
+    draft_diff: DraftDiff | None = None  # exact replay: the first verification step whose drafts differ
     inputs_differ: InputsDiffer = InputsDiffer()
     digests: DigestSummary = DigestSummary()
     block_tables: tuple[BlockTableFinding, ...] = ()
@@ -466,6 +473,10 @@ class CompareResult:
     strict_hits: bool = False
     # one line per trace that is incomplete (compared anyway: --allow-incomplete)
     incomplete: tuple[str, ...] = ()
+    # default replay: requests whose outputs part at a near-tie (OutputDiff.near_tie; not a divergence)
+    near_ties: tuple[OutputDiff, ...] = ()
+    # default replay: what the noise model (band.py) cleared or could not judge
+    band: BandSummary = BandSummary()
 
     @property
     def stopped_early(self) -> bool:
@@ -474,18 +485,35 @@ class CompareResult:
 
     @property
     def cause(self) -> str | None:
-        """"tensor", "block_table", "outputs" (first that applies), or None (SAME)."""
+        """"tensor", "block_table", "outputs", "drafts" (first that applies), or None (SAME)."""
         if self.divergences:
             return "tensor"
         if self.block_tables:
             return "block_table"
         if self.output_diff is not None:
             return "outputs"
+        if self.draft_diff is not None:
+            return "drafts"
         return None
 
     @property
+    def cannot_judge(self) -> bool:
+        """Nothing diverged, but default-replay pairs lie between rounding noise and a fault (``band``)."""
+        return self.cause is None and bool(self.band.unsure)
+
+    @property
+    def verdict(self) -> str:
+        """"diverged", "cannot-judge", "near-tie" (outputs part at a near-tie only) or "same"."""
+        if self.cause is not None:
+            return "diverged"
+        return "cannot-judge" if self.band.unsure else "near-tie" if self.near_ties else "same"
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.cause is None and not (self.strict_hits and self.hit_findings) else 1
+        """0 same (a near-tie included), 1 divergence (or a hit finding with ``strict_hits``), 2 cannot judge."""
+        if self.cause is None and self.strict_hits and self.hit_findings:
+            return 1
+        return {"diverged": 1, "cannot-judge": 2}.get(self.verdict, 0)
 
     @property
     def roots(self) -> list[Divergence]:
@@ -507,6 +535,18 @@ class CompareResult:
         if cause == "outputs":
             return (f"DIVERGED: outputs differ at {self.output_diff.text()}, while no captured tensor that "
                     "saw the same tokens differs")
+        if cause == "drafts":
+            return (f"DIVERGED: drafts differ at {self.draft_diff.text()}, while the sampled tokens agree "
+                    "(exact replay: the drafter saw other inputs or state)")
+        if self.cannot_judge:
+            n = len(self.band.unsure)
+            return (f"CANNOT JUDGE: {n} pair{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} by more than rounding noise of differently "
+                    "chunked runs and less than a fault stands out (default replay); make them judgeable: "
+                    "'statediff check CONVERSATION --model M -o DIR' (exact, split form), or 'statediff calibrate "
+                    "COLD_A COLD_B -o noise.json' then 'statediff compare --noise noise.json'")
+        if self.near_ties:
+            return (f"NEAR-TIE: no divergence beyond tolerance in {self.pairs} pairs; the outputs part at a near-tie "
+                    f"at {self.near_ties[0].text()} (default replay: rounding can flip it; not a divergence)")
         return f"SAME: no divergence beyond tolerance in {self.pairs} pairs"
 
     def outside_text(self) -> str:
@@ -547,6 +587,11 @@ class CompareResult:
         return (f"aligned by (request, position, layer, kind): {self.pairs} pairs, {how}; {n} divergent "
                 f"({roots} root{'s' if roots != 1 else ''}, {n - roots} propagated)")
 
+    def diagnosis_for(self, key: tuple[int, int, int, str]) -> Diagnosis | None:
+        """The diagnosis of the root with ``key`` (request, position, layer, kind), or None (not a
+        diagnosed root: only the first ``MAX_DIAGNOSED`` roots are searched, and a search may find nothing)."""
+        return next((g for g in self.diagnoses if g.key == tuple(key)), None)
+
     @property
     def focus(self) -> dict | None:
         """Where a focused re-record keeps data (``statediff record --focus``): the first root's
@@ -559,18 +604,23 @@ class CompareResult:
 
     def focus_commands(self) -> list[str]:
         """The two ``statediff record`` lines that replay both runs keeping data around the first root."""
+        return [line.text for line in self._focus_lines()]
+
+    def _focus_lines(self) -> list:
         f = self.focus
-        return [] if f is None else focus_commands(self.hit.run, self.cold.run, f,
-                                                   (self.hit.path, self.cold.path))
+        return [] if f is None else focus_lines(self.hit.run, self.cold.run, f, (self.hit.path, self.cold.path))
 
     def no_data_lines(self) -> list[str]:
         """When the first root has no data on a side: that line and the commands that record it."""
         first = self.first
         if first is None or all(first.data):
             return []
+        lines = self._focus_lines()
+        rebuilt = ([] if all(line.exact for line in lines) else
+                   ["    (arguments rebuilt from the run metadata: the traces do not store the record command line)"])
         return ([f"  the root has {no_data_text(first.data)}; record it again keeping data around it "
-                 f"(--focus {focus_spec(self.focus)}), both runs:"]
-                + [f"    {c}" for c in self.focus_commands()])
+                 f"(--focus {focus_text(self.focus)}), both runs:"]
+                + [f"    {line.text}" for line in lines] + rebuilt)
 
     def to_text(self) -> str:
         out = [f"INCOMPLETE: {t}" for t in self.incomplete]
@@ -580,7 +630,7 @@ class CompareResult:
             out.append(self.outside_text())
         out += [f"hit:  {self.hit.to_text()}", f"cold: {self.cold.to_text()}",
                 f"tolerance: {self.policy}", self.summary(), self.outputs_text()]
-        out += [t for t in (self.inputs_differ.to_text(), self.digests.to_text()) if t]
+        out += [t for t in (self.inputs_differ.to_text(), self.digests.to_text(), self.band.to_text()) if t]
         out += [f"block table: {b.text()} ({b.side} run)" for b in self.block_tables]
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"hit finding: {f}" for f in self.hit_findings]
@@ -595,10 +645,11 @@ class CompareResult:
             out += ["", f"{head}: " + d.to_text(),
                     "  propagated from it: not counted (stopped early at the first divergence)"
                     if self.stopped_early else
-                    f"  propagated from it: {d.propagated} divergent pairs ({d.propagated_same_request} "
+                    f"  propagated from it: {d.propagated} divergent pair{'' if d.propagated == 1 else 's'} ({d.propagated_same_request} "
                     f"in request {d.request}, {later} in later requests)"]
-            out += [f"  {g.text}" for g in self.diagnoses[1:] if g.request == d.request
-                    and (g.position, g.layer, g.kind) == (d.position, d.layer, d.kind)]
+            g = self.diagnosis_for(d.key)
+            if g is not None and g is not self.diagnoses[0]:  # the first is the report's first line
+                out.append(f"  {g.text}")
             if i == 1:
                 out += self.no_data_lines()
         rest = self.divergences[1:self.max_listed + 1]
@@ -615,7 +666,9 @@ class CompareResult:
         return jsonable({
             "statediff": "compare",
             "exit_code": self.exit_code,
-            "verdict": "same" if self.cause is None else "diverged",
+            "verdict": self.verdict,
+            "band": self.band.to_json(),
+            "near_ties": [d.to_json() for d in self.near_ties],
             "cause": self.cause,
             "headline": self.headline(),
             "outside_capture": list(self.outside_capture) if self.cause == "outputs" else [],
@@ -637,6 +690,7 @@ class CompareResult:
             "roots": [d.to_json() for d in self.roots],
             "next": [d.to_json() for d in self.divergences[1:self.max_listed + 1]],
             "output_diff": None if self.output_diff is None else self.output_diff.to_json(),
+            "draft_diff": None if self.draft_diff is None else self.draft_diff.to_json(),
             "inputs_differ": self.inputs_differ.to_json(),
             "digests": self.digests.to_json(),
             "block_tables": [b.to_json() for b in self.block_tables],

@@ -26,12 +26,13 @@ from typing import Any
 from statediff.diff.result import CompareResult, Divergence, no_data_text
 from statediff.errors import StatediffError, first_line
 from statediff.jsonutil import jsonable
+from statediff.replay.command import focus_lines
 from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import DigestEntry, TensorEntry
 from statediff.trace.writer import TraceWriter
 
 from .record import build_report
-from .reproduce import CompareOptions, focus_lines
+from .reproduce import CompareOptions
 from .select import Entry, Kept, Selection, select
 
 FORMAT = "statediff.bundle"
@@ -224,6 +225,13 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise StatediffError(f"cannot write bundle {out}: directory {parent} does not exist")
+    probe = parent / f".{out.name}.probe-{os.getpid()}"  # /sys, /proc, read-only mounts: a real attempt
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise StatediffError(f"cannot write bundle {out}: directory {parent} is not writable "
+                             f"({e.strerror or e})") from None
     if not max_mb > 0:
         raise StatediffError(f"--max-mb must be positive, not {max_mb:g}")
     return out
@@ -234,10 +242,12 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
                  plot: bool = True, overwrite: bool = False) -> BundleResult:
     """Write the bundle of ``result``'s root divergence.
 
-    Opens the two traces named by ``result`` once, to copy the selected
-    tensors; checks the copies' fingerprints and that ``compare`` on the
-    extracted pair (with ``options``) names the same root and diagnosis;
-    then moves the zip into place.
+    Stages: open the two traces named by ``result`` once; choose what to keep
+    (``_selection``); the notes the reader needs (``_notes``); copy the kept
+    tensors and check the copies (``_write_traces``: fingerprints, and
+    ``compare`` on the extracted pair, with ``options``, names the same root
+    and diagnosis); the other members (``_write_members``); the zip, checked
+    against ``max_mb`` (``_fits``); then move it into place.
 
     Args:
         result: ``compare`` of the full traces, run with ``options``.
@@ -258,93 +268,127 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
             check failed (fingerprints, root, diagnosis); TraceError when a
             trace cannot be read again.
     """
-    from statediff.diff.compare import compare
-
     out = check_output(out, overwrite=overwrite, max_mb=max_mb)
     parent = out.parent if str(out.parent) else Path(".")
     if result.first is None:
         raise StatediffError(f"no divergence between {result.hit.path} and {result.cold.path} "
                              f"({result.pairs} pairs within tolerance): nothing to extract")
     folder = out.stem or "bundle"
-    notes: list[str] = []
     with open_trace(result.hit.path) as hit, open_trace(result.cold.path) as cold:
-        sel = select(result, [*hit.entries, *hit.digests], [*cold.entries, *cold.digests],
-                     neighbours=neighbours, siblings=siblings)
-        raw = sum(hit.nbytes(k.entry) if k.side == "hit" else cold.nbytes(k.entry) for k in sel.kept
-                  if isinstance(k.entry, TensorEntry))
-        if raw > RAW_FACTOR * max_mb * MB:
-            raise StatediffError(f"the tensors to extract hold {_size(raw)} uncompressed: far over "
-                                 f"--max-mb {max_mb:g} (try --no-neighbours)")
-        for t in (hit, cold):
-            if t.partial:
-                notes.append(f"{t.path} is partial ({t.partial_reason}); its extract is a complete file")
-        if not all(result.first.data):  # the bundle can hold only what the traces hold: say how to get it
-            notes.append(f"the root has {no_data_text(result.first.data)}: the bundle holds its summary, "
-                         "not its values; to record them, replay both runs again keeping data around the "
-                         "root: " + "; ".join(focus_lines(result.hit.run, result.cold.run, result.focus,
-                                                          (result.hit.path, result.cold.path))))
+        traces = {"hit": hit, "cold": cold}
+        sel = _selection(result, traces, max_mb, neighbours, siblings)
+        notes = _notes(result, traces)
         with tempfile.TemporaryDirectory(prefix=".statediff-bundle-", dir=parent) as tmp:
             d = Path(tmp) / folder
             d.mkdir()
-            written = {}
-            for side, t, src in (("hit", hit, result.hit.path), ("cold", cold, result.cold.path)):
-                extra = {"extracted_from": {"path": src, "partial": t.partial,
-                                            "tensors": len(t.entries) + len(t.digests),
-                                            "kept": len(sel.entries(side)),
-                                            "root": list(sel.root)}}
-                written[side] = _copy_trace(t, sel.entries(side), d / f"{side}.h5", extra)
-            verified = [f"fingerprints of {verify_fingerprints(written['hit'], d / 'hit.h5')} hit and "
-                        f"{verify_fingerprints(written['cold'], d / 'cold.h5')} cold tensors equal the originals"]
-            noise_name = None
-            if options.noise is not None:
-                shutil.copyfile(options.noise, d / "noise.json")
-                noise_name = "noise.json"
-            again = compare(d / "hit.h5", d / "cold.h5",
-                            **(options.kwargs() | {"noise": d / "noise.json" if noise_name else None}))
-            _check_same(result, again)
-            verified.append("statediff compare on the extracted pair finds the same root and diagnosis")
-            if not plot:
-                notes.append("heatmap skipped (--no-plot)")
-            elif not have_matplotlib():
-                notes.append("heatmap skipped: matplotlib is not installed (pip install 'statediff[plot]')")
-            else:
-                from statediff.diff.plot import write_plot
-
-                write_plot(result, d / "heatmap.png")
-            (d / "replay.jsonl").write_text("\n".join(replay_lines(result.hit.requests)) + "\n",
-                                            encoding="utf-8")
-            diag = next((g.text for g in result.diagnoses
-                         if (g.request, g.position, g.layer, g.kind) == sel.root), None)
-            report = build_report(result, options, bundle=out.name,
-                                  bundle_lines=_bundle_lines(sel, folder, notes),
-                                  replay_file=f"{folder}/replay.jsonl")
-            (d / "report.md").write_text(report.to_markdown(), encoding="utf-8")
-            noise = options.noise is not None
-            manifest = {"format": FORMAT, "version": VERSION, "folder": folder,
-                        "root": list(sel.root), "diagnosis": diag,
-                        "compare_options": options.argv(noise_name and f"{folder}/noise.json"),
-                        "tol": list(options.tol), "noise": noise_name,
-                        "noise_factor": options.factor if noise else None,
-                        **{flag: getattr(options, flag) for flag in CompareOptions.FLAGS},
-                        "sources": {"hit": result.hit.path, "cold": result.cold.path},
-                        "kept": [k.to_json() for k in sel.kept], "notes": notes}
-            (d / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1) + "\n", encoding="utf-8")
+            verified = _write_traces(result, traces, sel, d, options)
+            diag = _write_members(result, sel, d, folder, out, options, notes, plot)
             tmp_zip = Path(tmp) / "bundle.zip"
             members = _write_zip(tmp_zip, d, folder)
-            size = tmp_zip.stat().st_size
-            if size > max_mb * MB:
-                parts = ", ".join(f"{n} {_size(b)}" for n, b in members)
-                hint = "; try --no-neighbours" if neighbours or siblings else ""
-                raise StatediffError(f"the bundle would be {_size(size)}, over --max-mb {max_mb:g} "
-                                     f"({parts}){hint}")
+            size = _fits(tmp_zip, members, max_mb, hint=bool(neighbours or siblings))
             try:
                 os.replace(tmp_zip, out)
             except OSError as e:
                 raise StatediffError(f"cannot write bundle {out}: {e.strerror or e}") from None
+        source = (len(hit.entries) + len(hit.digests), len(cold.entries) + len(cold.digests))
     return BundleResult(path=str(out), bytes=size, max_mb=max_mb, members=members, root=result.first,
-                        diagnosis=diag, kept=list(sel.kept),
-                        source_tensors=(len(hit.entries) + len(hit.digests), len(cold.entries) + len(cold.digests)),
-                        verified=verified, notes=notes)
+                        diagnosis=diag, kept=list(sel.kept), source_tensors=source, verified=verified, notes=notes)
+
+
+def _selection(result: CompareResult, traces: dict[str, Trace], max_mb: float, neighbours: int,
+               siblings: bool) -> Selection:
+    """What the bundle keeps (``select``), refused before anything is read when its raw bytes are far
+    over the size limit (``RAW_FACTOR`` x ``max_mb``)."""
+    hit, cold = traces["hit"], traces["cold"]
+    sel = select(result, [*hit.entries, *hit.digests], [*cold.entries, *cold.digests],
+                 neighbours=neighbours, siblings=siblings)
+    raw = sum(traces[k.side].nbytes(k.entry) for k in sel.kept if isinstance(k.entry, TensorEntry))
+    if raw > RAW_FACTOR * max_mb * MB:
+        raise StatediffError(f"the tensors to extract hold {_size(raw)} uncompressed: far over "
+                             f"--max-mb {max_mb:g} (try --no-neighbours)")
+    return sel
+
+
+def _notes(result: CompareResult, traces: dict[str, Trace]) -> list[str]:
+    """What the reader of the bundle must know: partial sources, a root without data (and the
+    commands that record it)."""
+    notes = [f"{t.path} is partial ({t.partial_reason}); its extract is a complete file"
+             for t in traces.values() if t.partial]
+    if not all(result.first.data):  # the bundle can hold only what the traces hold: say how to get it
+        notes.append(f"the root has {no_data_text(result.first.data)}: the bundle holds its summary, "
+                     "not its values; to record them, replay both runs again keeping data around the "
+                     "root: " + "; ".join(line.text for line in focus_lines(
+                         result.hit.run, result.cold.run, result.focus, (result.hit.path, result.cold.path))))
+    return notes
+
+
+def _write_traces(result: CompareResult, traces: dict[str, Trace], sel: Selection, d: Path,
+                  options: CompareOptions) -> list[str]:
+    """Write ``hit.h5``/``cold.h5`` (and ``noise.json``) into ``d`` and check them: the copies'
+    fingerprints equal the originals', and ``compare`` on them names the same root and diagnosis.
+
+    Returns:
+        what was verified, one line each.
+    """
+    from statediff.diff.compare import compare
+
+    written = {}
+    for side, src in (("hit", result.hit.path), ("cold", result.cold.path)):
+        t = traces[side]
+        extra = {"extracted_from": {"path": src, "partial": t.partial, "tensors": len(t.entries) + len(t.digests),
+                                    "kept": len(sel.entries(side)), "root": list(sel.root)}}
+        written[side] = _copy_trace(t, sel.entries(side), d / f"{side}.h5", extra)
+    verified = [f"fingerprints of {verify_fingerprints(written['hit'], d / 'hit.h5')} hit and "
+                f"{verify_fingerprints(written['cold'], d / 'cold.h5')} cold tensors equal the originals"]
+    if options.noise is not None:
+        shutil.copyfile(options.noise, d / "noise.json")
+    again = compare(d / "hit.h5", d / "cold.h5",
+                    **(options.kwargs() | {"noise": d / "noise.json" if options.noise is not None else None}))
+    _check_same(result, again)
+    verified.append("statediff compare on the extracted pair finds the same root and diagnosis")
+    return verified
+
+
+def _write_members(result: CompareResult, sel: Selection, d: Path, folder: str, out: Path,
+                   options: CompareOptions, notes: list[str], plot: bool) -> str | None:
+    """Write ``heatmap.png`` (when asked and possible; else a note), ``replay.jsonl``, ``report.md``
+    and ``manifest.json`` into ``d``. Returns the root's diagnosis line (None: none)."""
+    if not plot:
+        notes.append("heatmap skipped (--no-plot)")
+    elif not have_matplotlib():
+        notes.append("heatmap skipped: matplotlib is not installed (pip install 'statediff[plot]')")
+    else:
+        from statediff.diff.plot import write_plot
+
+        write_plot(result, d / "heatmap.png")
+    (d / "replay.jsonl").write_text("\n".join(replay_lines(result.hit.requests)) + "\n", encoding="utf-8")
+    diag = result.diagnosis_for(sel.root)
+    diag = diag.text if diag is not None else None
+    report = build_report(result, options, bundle=out.name, bundle_lines=_bundle_lines(sel, folder, notes),
+                          replay_file=f"{folder}/replay.jsonl")
+    (d / "report.md").write_text(report.to_markdown(), encoding="utf-8")
+    noise = options.noise is not None
+    noise_name = "noise.json" if noise else None
+    manifest = {"format": FORMAT, "version": VERSION, "folder": folder,
+                "root": list(sel.root), "diagnosis": diag,
+                "compare_options": options.argv(noise_name and f"{folder}/noise.json"),
+                "tol": list(options.tol), "noise": noise_name,
+                "noise_factor": options.factor if noise else None,
+                **{flag: getattr(options, flag) for flag in CompareOptions.FLAGS},
+                "sources": {"hit": result.hit.path, "cold": result.cold.path},
+                "kept": [k.to_json() for k in sel.kept], "notes": notes}
+    (d / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1) + "\n", encoding="utf-8")
+    return diag
+
+
+def _fits(zip_path: Path, members: list[tuple[str, int]], max_mb: float, hint: bool) -> int:
+    """The zip's size; refuses one over ``max_mb`` (naming each member's size)."""
+    size = zip_path.stat().st_size
+    if size > max_mb * MB:
+        parts = ", ".join(f"{n} {_size(b)}" for n, b in members)
+        raise StatediffError(f"the bundle would be {_size(size)}, over --max-mb {max_mb:g} ({parts})"
+                             + ("; try --no-neighbours" if hint else ""))
+    return size
 
 
 def _check_same(full: CompareResult, part: CompareResult) -> None:
@@ -355,10 +399,8 @@ def _check_same(full: CompareResult, part: CompareResult) -> None:
                              f"{b.where() if b else 'no divergence'} instead of {a.where()}")
 
     def diag(res: CompareResult) -> tuple | None:
-        for g in res.diagnoses:
-            if (g.request, g.position, g.layer, g.kind) == a.key:
-                return (g.finding, g.exact, g.match_request, g.match_position)
-        return None
+        g = res.diagnosis_for(a.key)
+        return None if g is None else (g.finding, g.exact, g.match_request, g.match_position)
 
     if diag(full) != diag(part):
         raise StatediffError(f"internal check failed: the extracted pair's diagnosis {diag(part)} differs "
@@ -480,14 +522,27 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
     ``progress``, ``stop_at_first``) go to ``compare``. The result names the
     traces as ``bundle.zip:folder/hit.h5``.
 
+    A bundle holds only the tensors around its root (a subset of the traces): ``--tol``,
+    ``--noise`` or ``--noise-factor`` other than the bundle's own would judge tensors it does not
+    hold, and are refused.
+
     Raises:
-        StatediffError: not a readable bundle; as ``compare`` otherwise.
+        StatediffError: not a readable bundle; options that change the root; as ``compare`` otherwise.
     """
     from statediff.diff.compare import compare
 
     with open_bundle(path) as b:
         m = b.manifest
-        tol = options.tol or tuple(str(x) for x in m.get("tol") or [] if isinstance(x, str))
+        own_tol = tuple(str(x) for x in m.get("tol") or [] if isinstance(x, str))
+        changed = [name for name, given, own in (("--tol", options.tol and tuple(options.tol), own_tol),
+                                                 ("--noise", options.noise, None),
+                                                 ("--noise-factor", options.noise_factor, m.get("noise_factor")))
+                   if given and given != own]
+        if changed:
+            raise StatediffError(f"bundle {path} holds only the tensors around its root, a subset of the traces: "
+                                 f"{' and '.join(changed)} would judge tensors it does not hold; compare the "
+                                 "original traces with them (the bundle keeps the options it was extracted with)")
+        tol = options.tol or own_tol
         noise, factor = options.noise, options.noise_factor
         if noise is None and b.noise is not None:
             noise = str(b.noise)

@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from statediff.diff.result import CompareResult, no_data_text
 from statediff.jsonutil import jsonable
+from statediff.trace.patches import describe_patches
 
-from .reproduce import CompareOptions, reproduce_lines, speculative
+from statediff.replay.command import speculative
+
+from .reproduce import CompareOptions, reproduce_lines
 
 UNKNOWN = "unknown"
 ENGINES_RECORDING_CONFIG = ("vllm",)
-FIELD_LABELS = (
-    "engine", "engine version", "engine commit", "runner", "target checkpoint", "architecture",
-    "model config digest", "dtype", "quantization format", "KV cache dtype", "drafter method",
-    "drafter checkpoint", "speculative tokens", "drafter input", "prefix caching", "mamba cache mode",
-    "mamba block size", "block size", "max num batched tokens", "replay mode", "cache reuse (hit run)",
-    "cache reuse forced off (cold run)", "seed", "sampling", "enforce eager", "conversation",
-    "requests", "planted fault", "prompt tokens per turn", "prefix-cache hit per turn (hit run)",
-    "prefix-cache hit per turn (cold run)", "expected hit per turn (perfect prefix cache)", "hit findings",
-    "acceptance per turn (hit run)",
-    "acceptance per turn (cold run)", "outputs", "root divergence", "diagnosis", "statediff version",
-    "traces",
-)
 
 
 @dataclasses.dataclass
@@ -266,6 +257,146 @@ def _outputs(result: CompareResult) -> str:
     return "; ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sides:
+    """What every field reads: the compared result, both runs' metadata and request records, and
+    the hit run's drafter (``_spec``)."""
+
+    result: CompareResult
+    run: dict  # the hit run: the configuration fields describe it
+    cold_run: dict
+    hit_requests: dict[int, dict]
+    cold_requests: dict[int, dict]
+    method: str | None
+    k: Any
+    spec: bool | None
+    drafter: dict
+
+    @classmethod
+    def of(cls, result: CompareResult) -> "_Sides":
+        run = result.hit.run
+        method, k, spec = _spec(run)
+        return cls(result, run, result.cold.run, result.hit.requests, result.cold.requests, method, k, spec,
+                   run.get("drafter") if isinstance(run.get("drafter"), dict) else {})
+
+
+def _run_key(key: str) -> Callable[[_Sides], str]:
+    return lambda c: _known(c.run.get(key))
+
+
+def _quantization(c: _Sides) -> str:
+    quant = c.run.get("quantization")
+    if quant not in (None, "none"):
+        return str(quant)
+    return "none (unquantized)" if quant == "none" or _records_config(c.run) else UNKNOWN
+
+
+def _no_drafter(c: _Sides, known: str | None, none: str = "none (no speculative decoding)") -> str:
+    """``known`` when the traces say it, ``none`` when they say there is no drafter, else unknown."""
+    return known if known else none if c.spec is False else UNKNOWN
+
+
+def _patches(c: _Sides) -> str:
+    """The hit run's engine patches; the cold run's too when they differ."""
+    hit, cold = describe_patches(c.run.get("engine_patches")), describe_patches(c.cold_run.get("engine_patches"))
+    return hit if hit == cold else f"hit run: {hit}; cold run: {cold}"
+
+
+def _diagnosis(c: _Sides) -> str:
+    r = c.result
+    if r.first is not None and r.diagnosis_for(r.first.key) is None:
+        return "none: the wrong tensor matches nothing searched (zeros, other positions or requests, bf16 rounding)"
+    return "none" if not r.diagnoses else r.diagnoses[0].text.removeprefix("diagnosis: ")
+
+
+def _root(c: _Sides) -> str:
+    first = c.result.first
+    return "none" if first is None else first.where() + ("" if all(first.data) else f"; {no_data_text(first.data)}")
+
+
+# The record's fields, in order: (label, value from both sides); every value a string, "unknown"
+# where the traces do not say.
+FIELDS: tuple[tuple[str, Callable[[_Sides], str]], ...] = (
+    ("engine", _run_key("engine")),
+    ("engine version", _run_key("engine_version")),
+    ("engine commit", _run_key("engine_commit")),
+    ("runner", _run_key("runner")),
+    ("engine patches", lambda c: _patches(c)),
+    ("target checkpoint", _run_key("model")),
+    ("architecture", _run_key("architecture")),
+    ("model config digest", _run_key("config_digest")),
+    ("dtype", _run_key("dtype")),
+    ("quantization format", _quantization),
+    ("KV cache dtype", _run_key("kv_cache_dtype")),
+    ("drafter method", lambda c: _no_drafter(c, str(c.method) if c.method else None)),
+    ("drafter checkpoint", lambda c: _no_drafter(c, str(c.drafter["model"]) if c.drafter.get("model") else None)),
+    ("speculative tokens", lambda c: _no_drafter(c, str(c.k) if c.k is not None else None,
+                                                 "0 (no speculative decoding)")),
+    ("drafter input", lambda c: _no_drafter(c, f"{c.drafter['input']}, layers {c.drafter.get('tapped_layers')}"
+                                            if c.drafter.get("input") else None)),
+    ("prefix caching", lambda c: {True: "on", False: "off"}.get(c.run.get("prefix_caching"), UNKNOWN)),
+    ("mamba cache mode", _run_key("mamba_cache_mode")),
+    ("mamba block size", _run_key("mamba_block_size")),
+    ("block size", lambda c: f"{c.run['block_size']} tokens" if c.run.get("block_size") is not None else UNKNOWN),
+    ("max num batched tokens", _run_key("max_num_batched_tokens")),
+    ("replay mode", lambda c: _replay_mode(c.run)),
+    ("cache reuse (hit run)", lambda c: _reuse_hit(c.run)),
+    ("cache reuse forced off (cold run)", lambda c: _reuse_cold(c.cold_run)),
+    ("seed", _run_key("seed")),
+    ("sampling", lambda c: _sampling(c.run, c.hit_requests)),
+    ("enforce eager", _run_key("enforce_eager")),
+    ("conversation", lambda c: _known(c.run.get("conversation")) + (
+        f" (prompt digest {c.run['conversation_digest'][:16]})" if c.run.get("conversation_digest") else "")),
+    ("requests", lambda c: str(len(c.hit_requests)) if c.hit_requests else _known(c.run.get("num_requests"))),
+    ("planted fault", lambda c: _fault(c.run)),
+    ("prompt tokens per turn", lambda c: _per_turn(c.hit_requests, "prompt_len")),
+    ("prefix-cache hit per turn (hit run)", lambda c: _per_turn(c.hit_requests, "num_cached_tokens")),
+    ("prefix-cache hit per turn (cold run)", lambda c: _per_turn(c.cold_requests, "num_cached_tokens")),
+    # hit accounting of the hit run (statediff.replay.hits, via compare)
+    ("expected hit per turn (perfect prefix cache)", lambda c: (
+        "[" + ", ".join(_n(r.expected_hit) for r in c.result.requests) + "]" if c.result.requests else UNKNOWN)),
+    ("hit findings", lambda c: "; ".join(c.result.hit_findings) or "none"),
+    ("acceptance per turn (hit run)", lambda c: _acceptance_summary(c.hit_requests, c.spec)),
+    ("acceptance per turn (cold run)", lambda c: _acceptance_summary(c.cold_requests, _spec(c.cold_run)[2])),
+    ("outputs", lambda c: _outputs(c.result)),
+    ("root divergence", _root),
+    ("diagnosis", _diagnosis),
+    ("statediff version", _run_key("statediff_version")),
+    ("traces", lambda c: _traces(c.result)),
+)
+FIELD_LABELS = tuple(label for label, _ in FIELDS)
+
+
+def _turns(c: _Sides) -> list[TurnRow]:
+    """One row per request, both runs side by side; a boundary sweep's own expectation where it has one."""
+    sweep = c.run.get("sweep") if isinstance(c.run.get("sweep"), dict) else None
+    turns = []
+    for row in c.result.requests:
+        i = row.request
+        h, cold = c.hit_requests.get(i) or {}, c.cold_requests.get(i) or {}
+        label, exp = None, row.expected_hit
+        if sweep is not None:  # the sweep's own expectation: align-mode retention (replay/sweep.py)
+            labels, hits = sweep.get("labels") or [], sweep.get("expected_hits") or []
+            label = labels[i] if i < len(labels) else None
+            exp = hits[i] if i < len(hits) else None
+        turns.append(TurnRow(
+            request=i, prompt_tokens=h.get("prompt_len", cold.get("prompt_len")),
+            cached_hit=h.get("num_cached_tokens"), cached_cold=cold.get("num_cached_tokens"),
+            expected_hit=exp, label=label, outputs=row.outputs,
+            acceptance_hit=_acceptance(h.get("acceptance"), c.spec),
+            acceptance_cold=_acceptance(cold.get("acceptance"), _spec(c.cold_run)[2])))
+    return turns
+
+
+def _title(result: CompareResult) -> str:
+    first = result.first
+    title = ("statediff: state diverges after a prefix-cache hit at " + first.where() if first
+             else "statediff: no state divergence between the cache-hit and cold runs")
+    if result.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
+        title += " (INCOMPLETE trace: " + "; ".join(result.incomplete) + ")"
+    return title
+
+
 def build_report(result: CompareResult, options: CompareOptions = CompareOptions(), *,
                  bundle: str | None = None, bundle_lines: Sequence[str] = (),
                  replay_file: str | None = None) -> IncidentReport:
@@ -282,95 +413,13 @@ def build_report(result: CompareResult, options: CompareOptions = CompareOptions
     Returns:
         the record; ``exit_code`` is the comparison's.
     """
-    hit_run, cold_run = result.hit.run, result.cold.run
-    hit_requests, cold_requests = result.hit.requests, result.cold.requests
-    run = hit_run
-    method, k, spec = _spec(run)
-    drafter = run.get("drafter") if isinstance(run.get("drafter"), dict) else {}
-    none_if_known = _records_config(run)
-    quant = run.get("quantization")
-    fields: dict[str, str] = {
-        "engine": _known(run.get("engine")),
-        "engine version": _known(run.get("engine_version")),
-        "engine commit": _known(run.get("engine_commit")),
-        "runner": _known(run.get("runner")),
-        "target checkpoint": _known(run.get("model")),
-        "architecture": _known(run.get("architecture")),
-        "model config digest": _known(run.get("config_digest")),
-        "dtype": _known(run.get("dtype")),
-        "quantization format": (str(quant) if quant not in (None, "none")
-                                else "none (unquantized)" if quant == "none" or none_if_known else UNKNOWN),
-        "KV cache dtype": _known(run.get("kv_cache_dtype")),
-        "drafter method": (str(method) if method else "none (no speculative decoding)" if spec is False
-                           else UNKNOWN),
-        "drafter checkpoint": (str(drafter["model"]) if drafter.get("model")
-                               else "none (no speculative decoding)" if spec is False else UNKNOWN),
-        "speculative tokens": (str(k) if k is not None else "0 (no speculative decoding)"
-                               if spec is False else UNKNOWN),
-        "drafter input": (f"{drafter['input']}, layers {drafter.get('tapped_layers')}"
-                          if drafter.get("input") else "none (no speculative decoding)"
-                          if spec is False else UNKNOWN),
-        "prefix caching": {True: "on", False: "off", None: UNKNOWN}.get(run.get("prefix_caching"), UNKNOWN),
-        "mamba cache mode": _known(run.get("mamba_cache_mode")),
-        "mamba block size": _known(run.get("mamba_block_size")),
-        "block size": (f"{run['block_size']} tokens" if run.get("block_size") is not None else UNKNOWN),
-        "max num batched tokens": _known(run.get("max_num_batched_tokens")),
-        "replay mode": _replay_mode(run),
-        "cache reuse (hit run)": _reuse_hit(run),
-        "cache reuse forced off (cold run)": _reuse_cold(cold_run),
-        "seed": _known(run.get("seed")),
-        "sampling": _sampling(run, hit_requests),
-        "enforce eager": _known(run.get("enforce_eager")),
-        "conversation": _known(run.get("conversation")) + (
-            f" (prompt digest {run['conversation_digest'][:16]})" if run.get("conversation_digest") else ""),
-        "requests": str(len(hit_requests)) if hit_requests else _known(run.get("num_requests")),
-        "planted fault": _fault(run),
-        "prompt tokens per turn": _per_turn(hit_requests, "prompt_len"),
-        "prefix-cache hit per turn (hit run)": _per_turn(hit_requests, "num_cached_tokens"),
-        "prefix-cache hit per turn (cold run)": _per_turn(cold_requests, "num_cached_tokens"),
-        # hit accounting of the hit run (statediff.replay.hits, via compare)
-        "expected hit per turn (perfect prefix cache)": (
-            "[" + ", ".join(_n(r.expected_hit) for r in result.requests) + "]" if result.requests else UNKNOWN),
-        "hit findings": "; ".join(result.hit_findings) or "none",
-        "acceptance per turn (hit run)": _acceptance_summary(hit_requests, spec),
-        "acceptance per turn (cold run)": _acceptance_summary(cold_requests, _spec(cold_run)[2]),
-        "outputs": _outputs(result),
-        "root divergence": "none" if result.first is None else result.first.where() + (
-            "" if all(result.first.data) else f"; {no_data_text(result.first.data)}"),
-        "diagnosis": "none" if not result.diagnoses else result.diagnoses[0].text.removeprefix("diagnosis: "),
-        "statediff version": _known(run.get("statediff_version")),
-        "traces": _traces(result),
-    }
-    if result.first is not None and not any(
-            (g.request, g.position, g.layer, g.kind) == result.first.key for g in result.diagnoses):
-        fields["diagnosis"] = "none: the wrong tensor matches nothing searched (zeros, other positions " \
-                              "or requests, bf16 rounding)"
-    sweep = run.get("sweep") if isinstance(run.get("sweep"), dict) else None
-    turns = []
-    for row in result.requests:
-        i = row.request
-        h, c = hit_requests.get(i) or {}, cold_requests.get(i) or {}
-        label, exp = None, row.expected_hit
-        if sweep is not None:  # the sweep's own expectation: align-mode retention (replay/sweep.py)
-            labels, hits = sweep.get("labels") or [], sweep.get("expected_hits") or []
-            label = labels[i] if i < len(labels) else None
-            exp = hits[i] if i < len(hits) else None
-        turns.append(TurnRow(
-            request=i, prompt_tokens=h.get("prompt_len", c.get("prompt_len")),
-            cached_hit=h.get("num_cached_tokens"), cached_cold=c.get("num_cached_tokens"),
-            expected_hit=exp, label=label, outputs=row.outputs,
-            acceptance_hit=_acceptance(h.get("acceptance"), spec),
-            acceptance_cold=_acceptance(c.get("acceptance"), _spec(cold_run)[2])))
+    sides = _Sides.of(result)
     first = result.first
-    title = ("statediff: state diverges after a prefix-cache hit at " + first.where() if first
-             else "statediff: no state divergence between the cache-hit and cold runs")
-    if result.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
-        title += " (INCOMPLETE trace: " + "; ".join(result.incomplete) + ")"
     no_data = first is not None and not all(first.data)
     return IncidentReport(
-        title=title, fields=[(k, fields[k]) for k in FIELD_LABELS], turns=turns,
+        title=_title(result), fields=[(label, value(sides)) for label, value in FIELDS], turns=_turns(sides),
         compare_text=result.to_text(),
-        reproduce=reproduce_lines(hit_run, cold_run, options, bundle=bundle, replay_file=replay_file,
+        reproduce=reproduce_lines(sides.run, sides.cold_run, options, bundle=bundle, replay_file=replay_file,
                                   focus=result.focus if no_data else None,
                                   focus_why=no_data_text(first.data) if no_data else ""),
         bundle=list(bundle_lines), exit_code=result.exit_code)

@@ -79,9 +79,8 @@ def select(result: CompareResult, hit_entries: Sequence[Entry], cold_entries: Se
     positions = sorted({e.position for _, entries in sides for e in entries if scope(e)})
     i = positions.index(p) if p in positions else 0
     near = set(positions[max(0, i - neighbours): i + neighbours + 1]) | {p}
-    match = next(((g.match_request, g.match_position, g.layer, g.kind) for g in result.diagnoses
-                  if (g.request, g.position, g.layer, g.kind) == root.key and g.match_request is not None),
-                 None)
+    g = result.diagnosis_for(root.key)
+    match = (g.match_request, g.match_position, g.layer, g.kind) if g and g.match_request is not None else None
     kept = []
     for side, entries in sides:
         for e in entries:

@@ -26,6 +26,8 @@ from typing import Any
 from statediff.errors import StatediffError
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+#: Every key a line may hold; any other (a typo such as ``max_token``) is refused.
+KNOWN_KEYS = ("id", "prompt_token_ids", "messages", "tools", *SAMPLING_KEYS)
 
 
 @dataclasses.dataclass
@@ -92,6 +94,9 @@ def parse_turn(obj: Any, path: Path, line: int) -> Turn:
     """
     if not isinstance(obj, dict):
         raise _fail(path, line, "expected a JSON object per line")
+    unknown = [k for k in obj if k not in KNOWN_KEYS]
+    if unknown:
+        raise _fail(path, line, f"unknown key {unknown[0]!r} (a line holds {', '.join(KNOWN_KEYS)})")
     has_ids, has_msgs = "prompt_token_ids" in obj, "messages" in obj
     if has_ids == has_msgs:
         raise _fail(path, line, "needs exactly one of 'prompt_token_ids' or 'messages'")
@@ -107,22 +112,39 @@ def parse_turn(obj: Any, path: Path, line: int) -> Turn:
         raise _fail(path, line, problem)
     turn = Turn(line=line, id=str(obj.get("id", f"turn-{line}")), sampling=sampling)
     if has_ids:
-        ids = obj["prompt_token_ids"]
-        if (not isinstance(ids, list) or not ids
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-            raise _fail(path, line, "'prompt_token_ids' must be a non-empty list of token ids")
-        turn.prompt_token_ids = ids
+        turn.prompt_token_ids = _token_ids(obj["prompt_token_ids"], path, line)
     else:
-        msgs = obj["messages"]
-        if (not isinstance(msgs, list) or not msgs
-                or not all(isinstance(m, dict) and "role" in m for m in msgs)):
-            raise _fail(path, line, "'messages' must be a non-empty list of {role, content} objects")
-        turn.messages = msgs
+        turn.messages = _messages(obj["messages"], path, line)
         tools = obj.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise _fail(path, line, "'tools' must be a list")
         turn.tools = tools
     return turn
+
+
+def _token_ids(ids: Any, path: Path, line: int) -> list[int]:
+    """``prompt_token_ids`` checked: a non-empty list of whole numbers >= 0 (the first bad one named)."""
+    if not isinstance(ids, list) or not ids:
+        raise _fail(path, line, "'prompt_token_ids' must be a non-empty list of token ids")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise _fail(path, line, f"'prompt_token_ids'[{i}] is {t!r}, not a token id (a whole number >= 0)")
+        if t < 0:
+            raise _fail(path, line, f"'prompt_token_ids'[{i}] is {t}: token ids are >= 0")
+    return ids
+
+
+def _messages(msgs: Any, path: Path, line: int) -> list[dict]:
+    """``messages`` checked: a non-empty list of objects, each with ``role`` and ``content``
+    (``content`` may be null only in an assistant message that holds ``tool_calls``)."""
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        raise _fail(path, line, "'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(msgs):
+        if "role" not in m:
+            raise _fail(path, line, f"'messages'[{i}] has no 'role'")
+        if "content" not in m and "tool_calls" not in m:
+            raise _fail(path, line, f"'messages'[{i}] ({m['role']}) has no 'content'")
+    return msgs
 
 
 def load_conversation(path: str | Path) -> list[Turn]:
@@ -147,6 +169,34 @@ def load_conversation(path: str | Path) -> list[Turn]:
         turns.append(parse_turn(obj, p, n))
     if not turns:
         raise StatediffError(f"{p} holds no requests")
+    return turns
+
+
+def turns_of_trace(requests: dict[int, dict], source: str) -> list[Turn]:
+    """The conversation a trace replayed, from its request records (``Trace.requests``): each
+    request's ``prompt_token_ids`` and sampling (``max_tokens`` the number of tokens it sampled
+    when its sampling was not recorded), in request order. For a cold run shaped like a trace
+    that no conversation file describes (a deployment recorded through ``STATEDIFF_TRACE``).
+
+    Raises:
+        StatediffError: a request without prompt token ids, or no request.
+    """
+    turns = []
+    for n, i in enumerate(sorted(requests), start=1):
+        rec = requests[i]
+        s = rec.get("sampling") if isinstance(rec.get("sampling"), dict) else {}
+        line = {k: s[k] for k in SAMPLING_KEYS
+                if isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)}
+        if isinstance(line.get("top_k"), int) and line["top_k"] <= 0:
+            del line["top_k"]  # vLLM's "disabled"
+        if "max_tokens" not in line and rec.get("output_token_ids"):
+            line["max_tokens"] = len(rec["output_token_ids"])
+        if not rec.get("prompt_token_ids"):
+            raise StatediffError(f"{source}: request {i} has no prompt token ids to replay")
+        turns.append(parse_turn({"id": f"request-{i}", "prompt_token_ids": list(rec["prompt_token_ids"]),
+                                 **line}, Path(source), n))
+    if not turns:
+        raise StatediffError(f"{source} holds no requests")
     return turns
 
 

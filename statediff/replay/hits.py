@@ -40,6 +40,19 @@ from typing import Any
 HIDDEN_STATE_DRAFTERS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 
 
+def drops_last_block(run: Mapping[str, Any]) -> bool:
+    """Whether the engine of ``run`` (run metadata) drops the last matched block of a hit.
+
+    The engine's own answer when the trace records it (``version_facts.eagle_block_drop``:
+    vLLM 0.30+ can switch the drop off), else the rule of ``HIDDEN_STATE_DRAFTERS``.
+    """
+    facts = run.get("version_facts")
+    said = facts.get("eagle_block_drop") if isinstance(facts, Mapping) else None
+    if isinstance(said, bool):
+        return said
+    return run.get("speculative_method") in HIDDEN_STATE_DRAFTERS
+
+
 def replay_boundary(length: int, block_size: int) -> int:
     """Tokens whose recurrent state align mode keeps after a prefill of ``length`` tokens.
 
@@ -139,14 +152,16 @@ class HitAccount:
         request: request index.
         prompt_len: prompt tokens.
         measured: the engine's ``num_cached_tokens`` (None: not recorded).
-        expected: perfect-prefix-cache hit in tokens (None: the block size or tokens are unknown).
+        expected: perfect-prefix-cache hit in tokens, less the drafter's last-block drop
+            (``drafter_drop``) (None: the block size or tokens are unknown).
         source: the earlier request the expected hit shares its prefix with.
         block_size: ``B`` in tokens (None: unknown).
         align: the hit align-mode retention predicts (None: not a hybrid in align mode).
         finding: one line when the hit is off (a shortfall, a hit beyond the shared
             prefix even counting each earlier request's last sampled token, or any hit in
             a cold run), else None.
-        kind: "shortfall", "beyond" or "cold-hit" (None without a finding).
+        kind: "shortfall", "beyond", "no-drop" (a hit that kept the block vLLM drops for a drafter
+            fed hidden states) or "cold-hit" (None without a finding).
         reason: the likely reason of a shortfall ("" when the trace cannot tell).
     """
 
@@ -196,6 +211,18 @@ def _capacity_tokens(run: Mapping[str, Any]) -> int | None:
     return blocks // max(len(groups), 1) * b
 
 
+def drafter_drop(run: Mapping[str, Any]) -> int:
+    """Tokens vLLM drops from every prefix-cache hit for the run's drafter: one block for drafters fed
+    the target's hidden states (vLLM 0.32 ``SpeculativeConfig.use_eagle_block_drop``: methods eagle,
+    eagle3, mtp, dflash, dspark; the coordinator cuts the last matched block so the drafter can recompute
+    its hidden state; the trace's ``version_facts`` when it records whether this engine drops,
+    ``drops_last_block``), else 0. Other engines (``engine`` not "vllm" or unknown) drop nothing."""
+    b = _int(run.get("block_size")) or 0
+    if run.get("engine") not in (None, "vllm") or not drops_last_block(run):
+        return 0
+    return b
+
+
 def _shortfall_reason(i: int, a: Expected, measured: int, run: Mapping[str, Any],
                       recs: Mapping[int, Mapping[str, Any]], ledger: HitLedger, computed: list[int]) -> str:
     """The likely reason request ``i`` resumed from fewer tokens than expected ("" if unknown)."""
@@ -212,10 +239,6 @@ def _shortfall_reason(i: int, a: Expected, measured: int, run: Mapping[str, Any]
                 if a.align else "no checkpoint lies on the shared prefix")
         return (f"mamba align mode keeps one recurrent-state checkpoint per prefill, at its last block "
                 f"boundary: request {src}'s prefill of {n} tokens kept position {kept}; {last}")
-    method = run.get("speculative_method")
-    if method in HIDDEN_STATE_DRAFTERS and measured in (a.tokens - b, a.align - b):
-        return (f"speculative decoding ({method}) drops the last matched block of a hit "
-                "(drafters fed target hidden states)")
     cap = _capacity_tokens(run)
     since = sum(computed[src:i]) if src is not None else 0
     if cap is not None and since > cap:
@@ -244,6 +267,7 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
     b = _int(run.get("block_size"))
     ledger = HitLedger(b) if b and b > 0 else None
     cold = run.get("mode") == "cold"
+    drop = drafter_drop(run)
     out: list[HitAccount] = []
     computed: list[int] = []  # tokens each request computed (index order), for the cache-size reason
     for i in sorted(requests):
@@ -259,6 +283,8 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         rec_tokens, rec_src = _int(rec.get("expected_hit_tokens")), _int(rec.get("expected_hit_source"))
         if rec_tokens is not None:  # what the recorder saw as the request began
             a = dataclasses.replace(a, tokens=rec_tokens, source=rec_src)
+        if drop and not cold:  # the drafter's last-block drop is part of the expected hit
+            a = dataclasses.replace(a, tokens=max(a.tokens - drop, 0), align=max(a.align - drop, 0))
         ledger.add(i, prompt, outputs)
         computed.extend([0] * (i - len(computed)))
         computed.append(max(len(prompt) + max(len(outputs) - 1, 0) - (measured or 0), 0))
@@ -276,7 +302,13 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
                        + (f"likely reason: {reason}" if reason else "no reason found in the trace (not "
                           "align-mode retention, a speculative last-block drop, a cache_salt difference "
                           "or cache size)"))
-        elif measured is not None and not cold and measured > max(a.tokens, a.upper):
+        elif measured is not None and not cold and drop and a.tokens < measured <= a.tokens + drop:
+            kind = "no-drop"
+            finding = (f"request {i} resumed from {measured} tokens, {measured - a.tokens} more than the "
+                       f"{a.tokens} expected: vLLM drops the last matched block of every hit for a "
+                       f"{run.get('speculative_method')} drafter (it recomputes that block's hidden states), "
+                       "and this hit kept it")
+        elif measured is not None and not cold and measured > max(a.tokens + drop, a.upper):
             kind = "beyond"
             finding = (f"request {i} resumed from {measured} tokens but shares only {a.upper} tokens "
                        f"({a.upper // b} blocks) with the recorded token streams of earlier requests: "
@@ -303,7 +335,8 @@ def summary_lines(accounts: Sequence[HitAccount], mode: str | None) -> list[str]
         src = "-" if cold or a.source is None else f"request {a.source}"
         lines.append(f"    {a.request:>7}  {_n(a.prompt_len):>6}  {_n(a.measured):>8}  {_n(want):>8}  {src}")
     found = findings(accounts)
-    lines += [f"  HIT FINDING: {f}" for f in found] or ["  every request resumed from the hit expected"]
+    lines += [f"  HIT FINDING: {f}" for f in found] or [
+        "  no request hit the prefix cache, as expected" if cold else "  every request resumed from the hit expected"]
     return lines
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .patches import patches_problem
 from .summary import SKETCH_DIM, Summary
 
 FORMAT_NAME = "statediff.trace"
@@ -51,6 +52,7 @@ ROLES = (
     "kv_block",  # the K or V rows of one KV-cache block, tokens [token_start, position)
     "activation",  # eager-mode forward-hook output (perturbs numerics; opt-in)
     "drafter",  # input handed to a speculative drafter
+    "initial",  # state a first chunk without a cache hit starts from, read from its slot as the kernel would
 )
 
 MAX_NDIM = 8
@@ -337,6 +339,10 @@ RUN_KEYS = (
     "logprobs_k",  # top-k alternatives recorded per output token, or null (per request)
     "stopped",  # null, or {"request": int, "error": str, ...}: the replay stopped early (incomplete)
     "keep",  # null, or {"policy", "budget_bytes", "focus", "kept_bytes", "kept_tensors", "digest_only_tensors"}
+    "adapter",  # "verified", or "unverified": recorded with the nearest verified version's adapter
+    "adapter_version",  # the engine version whose adapter recorded it
+    "version_facts",  # null, or {"one_token_first_chunk", "eagle_drop_switch", "eagle_block_drop"}
+    "engine_patches",  # null, or [{"name", "replaces", ...}]: engine code statediff stood in for (trace/patches.py)
 )
 
 # Keys that must agree for two traces to be comparable.
@@ -356,8 +362,8 @@ RUN_INT_KEYS = ("block_size", "mamba_block_size", "max_num_batched_tokens",
                 "num_speculative_tokens", "seed", "logprobs_k")
 RUN_STR_KEYS = ("engine", "engine_version", "engine_commit", "runner", "model", "architecture",
                 "config_digest", "dtype", "quantization", "mamba_cache_mode", "cold_policy",
-                "speculative_method", "statediff_version")
-RUN_ENUMS = {"mode": ("hit", "cold"), "replay": ("default", "exact")}
+                "speculative_method", "statediff_version", "adapter_version")
+RUN_ENUMS = {"mode": ("hit", "cold"), "replay": ("default", "exact"), "adapter": ("verified", "unverified")}
 
 
 def run_problem(run: dict) -> str | None:
@@ -395,6 +401,8 @@ def run_problem(run: dict) -> str | None:
     v = run.get("keep")
     if v is not None and not (isinstance(v, dict) and isinstance(v.get("policy"), (str, type(None)))):
         return "run field 'keep' is not an object {policy: string, ...} or null"
+    if patches_problem(run.get("engine_patches")):
+        return patches_problem(run.get("engine_patches"))
     v = run.get("stopped")
     if v is not None and not (isinstance(v, dict) and (v.get("request") is None or (
             _is_int(v["request"]) and v["request"] >= 0)) and isinstance(v.get("error"), (str, type(None)))):

@@ -12,7 +12,7 @@ kill can leave half written.
 Writes run on a background thread, so the engine pays only for the copy of
 each tensor to host memory; a failed write stops recording, keeps what is on
 disk readable and is reported by ``close()``, never raised into the engine's
-step. ``recover`` copies what a killed recording left into one file.
+step. ``recovery.recover`` copies what a killed recording left into one file.
 Guarantees per kind of crash: docs/trace-format.md, "Crash safety".
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import json
+import copy
 import os
 import queue
 import re
@@ -38,8 +38,9 @@ import numpy as np
 from .. import __version__
 from statediff.trace.dtypes import storage_dtype
 from ..errors import TraceError
+from .records import (_check_arrays, _plain, _request_arrays, digest_rows, snapshot_request, to_json,
+                      write_digest_table, write_json_attr, write_requests)
 from .schema import (
-    DIGEST_DTYPE,
     FORMAT_NAME,
     INDEX_DTYPE,
     KINDS,
@@ -49,14 +50,12 @@ from .schema import (
     REQUEST_DATASETS,
     DigestEntry,
     TensorEntry,
-    digest_row,
-    request_arrays_problem,
     request_problem,
     run_problem,
     version_for,
 )
-from .storage import (DATA_FILE, FRAME_DTYPE, chunk_offsets, chunk_shape, create_dataset,
-                      create_dataset_id, encode, frame_rows, write_array, write_whole)
+from .storage import (DATA_FILE, FRAME_DTYPE, chunk_shape, create_dataset_id, encode, frame_rows, write_array,
+                      write_whole)
 from .summary import Summary
 
 _HEX = frozenset("0123456789abcdef")
@@ -66,7 +65,6 @@ MIN_FREE_BYTES = 64 * 1024 * 1024
 # links and chunk indexes (~400 bytes per small tensor instead of ~3 KB with
 # the 1.6 default), readable by every HDF5 since 1.10 (h5py, h5dump 1.10, ...).
 LIBVER = ("v110", "v110")
-DIGESTS_PLAIN_BYTES = 64 * 1024  # a /digests table up to this size is stored uncompressed
 QUEUE_STEPS = 8  # steps handed over but not yet written; end_step() waits beyond this
 
 
@@ -113,51 +111,6 @@ def check_writable(path: str | os.PathLike, *, overwrite: bool = False,
         )
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    return str(obj)
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with every NaN or infinite float replaced by None (JSON has no such numbers)."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if np.isfinite(obj) else None
-    if isinstance(obj, np.ndarray):
-        return _finite(obj.tolist())
-    return obj
-
-
-def to_json(value: Any) -> str:
-    """JSON text as stored in a trace: sorted keys, numpy scalars as numbers.
-
-    NaN and infinities (e.g. an acceptance rate of 0/0) are stored as null:
-    the format allows no non-finite numbers in metadata.
-    """
-    try:
-        return json.dumps(value, sort_keys=True, allow_nan=False, default=_json_default)
-    except ValueError:
-        return json.dumps(_finite(value), sort_keys=True, allow_nan=False, default=_json_default)
-
-
-def _plain(value: dict) -> dict:
-    """``value`` as it will read back (numpy scalars and tuples become JSON types)."""
-    return json.loads(to_json(value))
-
-
-def write_json_attr(obj: h5py.HLObject, name: str, value: Any) -> None:
-    """Store ``value`` as a UTF-8 JSON text attribute (sorted keys, no NaN)."""
-    obj.attrs[name] = to_json(value)
-
-
 def default_threads() -> int:
     """Compression threads: half the cores, 1 to 4 (the engine needs the rest)."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -202,10 +155,10 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike, run: dict, *, clevel: int = 3,
                  overwrite: bool = False, threads: int | None = None) -> None:
         self.path = Path(path)
-        self.run = _plain({k: run.get(k) for k in RUN_KEYS} | dict(run))
-        self.run["statediff_version"] = self.run.get("statediff_version") or __version__
-        self.run["created_unix"] = self.run.get("created_unix") or time.time()
-        problem = run_problem(self.run)
+        self._run = _plain({k: run.get(k) for k in RUN_KEYS} | dict(run))
+        self._run["statediff_version"] = self._run.get("statediff_version") or __version__
+        self._run["created_unix"] = self._run.get("created_unix") or time.time()
+        problem = run_problem(self._run)
         if problem:
             raise ValueError(problem)
         check_writable(self.path, overwrite=overwrite)
@@ -223,7 +176,7 @@ class TraceWriter:
         except OSError as e:
             raise TraceError(f"cannot create {self.parts}: {e.strerror}") from None
         self.clevel = clevel
-        self.requests: dict[int, dict] = {}
+        self._requests: dict[int, dict] = {}
         self._dirty: set[int] = set()
         self._pending: list[tuple[dict, np.ndarray]] = []
         self._pending_digests: list[DigestEntry] = []
@@ -232,6 +185,7 @@ class TraceWriter:
         self._bytes_raw = 0
         self._index: list[np.ndarray] = []  # per segment, for the final file (writer thread)
         self._digest_rows: list[np.ndarray] = []
+        self._frame_rows: list[np.ndarray] = []
         self._n_digest_only = 0
         self._target = DATA_FILE
         self.error: str | None = None
@@ -268,16 +222,16 @@ class TraceWriter:
         Raises:
             ValueError: a documented field has the wrong type (``schema.run_problem``).
         """
-        new = _plain(self.run | fields)
+        new = _plain(self._run | fields)
         problem = run_problem(new)
         if problem:
             raise ValueError(problem)
-        self.run = new
+        self._run = new
         if self.error is not None:
             return
         tmp = self.parts / "run.json.tmp"
         try:
-            tmp.write_text(to_json(self.run))
+            tmp.write_text(to_json(self._run))
             os.replace(tmp, self.parts / "run.json")
         except (OSError, ValueError) as e:
             self._fail(f"cannot write {tmp}: {e}")
@@ -306,7 +260,7 @@ class TraceWriter:
         rec = self._checked(rec | fields)
         _check_arrays(rec["index"], rec | arrays)
         rec.update(arrays)
-        self.requests[rec["index"]] = rec
+        self._requests[rec["index"]] = rec
         self._dirty.add(rec["index"])
 
     def update_request(self, index: int, **fields: Any) -> None:
@@ -326,7 +280,7 @@ class TraceWriter:
                 disagree in shape (``schema.request_arrays_problem``).
             TypeError: a token or top-k id array that is not integer.
         """
-        rec = self.requests[index]
+        rec = self._requests[index]
         arrays = _request_arrays(fields)
         fields.pop("index", None)
         new = self._checked({"index": index} | fields)  # checks only what changes
@@ -336,6 +290,39 @@ class TraceWriter:
         rec.update(new)
         rec.update(arrays)
         self._dirty.add(index)
+
+    def add_chunk(self, index: int, start: int, end: int) -> None:
+        """Append the prefill/decode chunk ``[start, end)`` (tokens) that request ``index``
+        computed in the step now ending (request field ``chunks``).
+
+        Raises:
+            KeyError: ``index`` was never registered with ``begin_request``.
+            ValueError: ``end < start`` or a negative start.
+        """
+        if not 0 <= start <= end:
+            raise ValueError(f"request {index}: chunk [{start}, {end}) is not a token range")
+        self._requests[index]["chunks"].append([int(start), int(end)])
+        self._dirty.add(index)
+
+    def has_request(self, index: int) -> bool:
+        """Whether request ``index`` was registered (``begin_request``)."""
+        return index in self._requests
+
+    def request_indices(self) -> list[int]:
+        """Registered request indices, in registration order."""
+        return list(self._requests)
+
+    def request_field(self, index: int, key: str, default: Any = None) -> Any:
+        """One field of a registered request as recorded so far (a copy for lists and dicts).
+
+        Raises:
+            KeyError: ``index`` was never registered.
+        """
+        return copy.deepcopy(self._requests[index].get(key, default))
+
+    def run_field(self, key: str, default: Any = None) -> Any:
+        """One run-metadata field as recorded so far (a copy for lists and dicts)."""
+        return copy.deepcopy(self._run.get(key, default))
 
     @staticmethod
     def _checked(rec: dict) -> dict:
@@ -488,11 +475,15 @@ class TraceWriter:
             f.attrs["format"] = FORMAT_NAME
             f.attrs["format_version"] = version_for(digests is not None)
             # a replay that stopped early (run field "stopped") closes as an incomplete trace
-            f.attrs["complete"] = not self.run.get("stopped")
-            write_json_attr(f.create_group("run"), "json", self.run)
+            f.attrs["complete"] = not self._run.get("stopped")
+            write_json_attr(f.create_group("run"), "json", self._run)
             write_array(f, "index", index, self.clevel)
+            # where every chunk lies: the reader locates tensors by this table, never through the
+            # datasets' HDF5 headers (docs/trace-format.md, "Frames")
+            write_array(f, "frames", np.concatenate(self._frame_rows) if self._frame_rows
+                        else np.zeros(0, FRAME_DTYPE), self.clevel)
             write_digest_table(f, digests, self.clevel)
-            write_requests(f, {i: snapshot_request(r) for i, r in self.requests.items()}, self.clevel)
+            write_requests(f, {i: snapshot_request(r) for i, r in self._requests.items()}, self.clevel)
             self._data = None
             f.close()
             os.replace(data, self.path)
@@ -539,7 +530,7 @@ class TraceWriter:
     # -- writer thread -----------------------------------------------------
 
     def _request_snapshot(self, index: int) -> tuple[str, dict[str, np.ndarray]]:
-        return snapshot_request(self.requests[index])
+        return snapshot_request(self._requests[index])
 
     def _fail(self, msg: str) -> None:
         if self.error is None:
@@ -626,9 +617,11 @@ class TraceWriter:
             f.attrs["segment"] = True
             write_array(f, "index", index, self.clevel)
             write_digest_table(f, digest_table, self.clevel)
-            write_array(f, "frames", np.array(frames, dtype=FRAME_DTYPE), self.clevel)
+            frame_table = np.array(frames, dtype=FRAME_DTYPE)
+            write_array(f, "frames", frame_table, self.clevel)
             write_requests(f, reqs, self.clevel)
         self._index.append(index)
+        self._frame_rows.append(frame_table)
         if digest_table is not None:
             self._digest_rows.append(digest_table)
         self._n_digest_only += len(digests)
@@ -656,233 +649,3 @@ def _oserror_text(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _request_arrays(fields: dict) -> dict[str, Any]:
-    """Pop the dataset keys (``schema.REQUEST_DATASETS``) out of ``fields``, converted.
-
-    Token ids become lists of int; logprob datasets numpy arrays of their
-    storage dtype (``<f4`` / ``<i8``), or None (absent). An empty sequence
-    given for a 2-D dataset becomes shape ``(0, 0)``.
-
-    Raises:
-        TypeError: token or top-k ids that are not integers.
-        ValueError: a logprob array with the wrong number of dimensions.
-    """
-    out: dict[str, Any] = {}
-    for name in [k for k in fields if k in REQUEST_DATASETS]:
-        value = fields.pop(name)
-        dtype, ndim = REQUEST_DATASETS[name]
-        if name in ("prompt_token_ids", "output_token_ids"):
-            arr = np.asarray(value if value is not None else [])
-            if arr.size and arr.dtype.kind not in "iu":
-                raise TypeError(f"{name}: token ids of type {arr.dtype}, not integers")
-            out[name] = [int(t) for t in arr.reshape(-1)]
-            continue
-        if value is None:
-            out[name] = None
-            continue
-        if dtype == "<f4" and not isinstance(value, np.ndarray):
-            value = [np.nan if x is None else x for x in value] if ndim == 1 else [
-                [np.nan if x is None else x for x in row] for row in value]
-        arr = np.asarray(value)
-        if arr.size == 0:
-            arr = arr.reshape((0,) * ndim)
-        if dtype == "<i8" and arr.dtype.kind not in "iu":
-            raise TypeError(f"{name}: ids of type {arr.dtype}, not integers")
-        if arr.ndim != ndim:
-            raise ValueError(f"{name}: {arr.ndim}-D, expected {ndim}-D")
-        out[name] = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
-    return out
-
-
-def _array_shapes(rec: dict) -> dict[str, tuple[int, ...] | None]:
-    """Shapes of a record's datasets (None: absent), for ``schema.request_arrays_problem``."""
-    shapes: dict[str, tuple[int, ...] | None] = {}
-    for name in REQUEST_DATASETS:
-        v = rec.get(name)
-        if v is None:
-            shapes[name] = (0,) if name in ("prompt_token_ids", "output_token_ids") else None
-        else:
-            shapes[name] = tuple(v.shape) if isinstance(v, np.ndarray) else (len(v),)
-    return shapes
-
-
-def _check_arrays(index: Any, rec: dict) -> None:
-    problem = request_arrays_problem(_array_shapes(rec))
-    if problem:
-        raise ValueError(f"request {index!r}: {problem}")
-
-
-def snapshot_request(rec: dict) -> tuple[str, dict[str, np.ndarray]]:
-    """A request record frozen now: (JSON text of its fields, its datasets).
-
-    The datasets are ``{name: array}`` for the names of
-    ``schema.REQUEST_DATASETS`` the record has (token ids always, possibly
-    empty), in their storage dtypes. Taken on the caller's thread at
-    ``end_step()``: callers may keep mutating the live record (e.g.
-    appending to ``chunks``) afterwards.
-    """
-    text = to_json({k: v for k, v in rec.items() if k not in REQUEST_DATASETS})
-    arrays = {}
-    for name, (dtype, _) in REQUEST_DATASETS.items():
-        v = rec.get(name)
-        if v is None and name not in ("prompt_token_ids", "output_token_ids"):
-            continue
-        arrays[name] = np.array(v if v is not None else [], dtype=np.dtype(dtype))  # a copy
-    return text, arrays
-
-
-def digest_rows(digests: list[DigestEntry], entries: list[TensorEntry] = ()) -> np.ndarray | None:
-    """The ``/digests`` table (version 3): a row per digest-only tensor, then a row per tensor
-    with data and a summary (linked by ``dataset``); None when there are none."""
-    rows = [d.to_row() for d in digests]
-    rows += [digest_row(e, e.dataset, e.summary) for e in entries if e.summary is not None]
-    return np.array(rows, dtype=DIGEST_DTYPE) if rows else None
-
-
-def write_digest_table(f: h5py.File, rows: np.ndarray | None, clevel: int = 3) -> None:
-    """Write a ``digest_rows`` table as ``/digests``; nothing for None. Compressed from
-    ``DIGESTS_PLAIN_BYTES``: in a digest-first trace this table is most of the file."""
-    if rows is not None:
-        write_array(f, "digests", rows, clevel, plain_up_to=DIGESTS_PLAIN_BYTES)
-
-
-def write_requests(f: h5py.File, reqs: dict[int, tuple[str, dict[str, np.ndarray]]],
-                   clevel: int = 3) -> None:
-    """Write request snapshots (``snapshot_request``) under /requests/rNNNNNNNN.
-
-    Each dataset of ``schema.REQUEST_DATASETS`` the snapshot has is written
-    in its storage dtype (token ids ``<i8``, logprobs ``<f4``, top-k ids ``<i8``).
-
-    Raises:
-        ValueError: a record breaks the documented field types or its
-            datasets disagree in shape (a caller may have edited
-            ``TraceWriter.requests`` directly); nothing invalid is ever stored.
-    """
-    g = f.require_group("requests")
-    for i, (text, arrays) in reqs.items():
-        problem = request_problem(json.loads(text)) or request_arrays_problem(
-            {k: tuple(a.shape) for k, a in arrays.items()})
-        if problem:
-            raise ValueError(f"request {i}: {problem}")
-        name = f"r{int(i):08d}"
-        if name in g:
-            del g[name]
-        rg = g.create_group(name)
-        rg.attrs["json"] = text
-        for key, arr in arrays.items():
-            write_array(rg, key, np.asarray(arr, dtype=np.dtype(REQUEST_DATASETS[key][0])), clevel)
-
-
-def merge_parts(parts: str | os.PathLike, out: str | os.PathLike,
-                requests: dict[int, dict] | None = None, *, overwrite: bool = False,
-                complete: bool = True) -> dict:
-    """Copy what a parts directory holds into one trace file (atomically creating ``out``).
-
-    Only the valid prefix of segments is copied (what ``open_trace`` serves
-    for the parts directory); tensors are copied as stored (compressed
-    chunks byte for byte, nothing decoded), read by the offsets the segments
-    record. ``requests`` wins over the segments' snapshots; without it the
-    last snapshot of each request is used.
-
-    Args:
-        parts: the ``<trace>.parts`` directory.
-        out: the trace file to create (written as ``<out>.tmp``, then renamed).
-        requests: request records to store instead of the segments' snapshots.
-        overwrite: replace an existing ``out``.
-        complete: the root attribute ``complete`` (False for a recovered trace).
-
-    Returns:
-        stats: ``{"tensors", "digests", "segments", "bytes_file"}``.
-
-    Raises:
-        TraceError: the parts directory is unreadable or ``out`` cannot be written
-            (``out`` is then left untouched and ``<out>.tmp`` removed).
-    """
-    from .reader import Trace  # the reader owns validation and segment discovery
-
-    parts, out = Path(parts), Path(out)
-    if not parts.is_dir():
-        raise TraceError(f"{parts} is not a parts directory")
-    if out.exists() and not overwrite:
-        raise TraceError(f"trace {out} already exists (use --overwrite to replace it)")
-    src = Trace(parts)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
-        if requests is None:
-            requests = src.requests
-        entries = sorted(src.entries, key=lambda e: e.dataset)
-        rows = [e.to_row() for e in entries]
-        with h5py.File(tmp, "w", libver=LIBVER) as f:
-            f.attrs["format"] = FORMAT_NAME
-            f.attrs["format_version"] = version_for(bool(src.digests) or any(
-                e.summary is not None for e in src.entries))
-            f.attrs["complete"] = bool(complete)
-            write_json_attr(f.create_group("run"), "json", src.run)
-            tg = f.create_group("tensors")
-            for e in entries:
-                _copy_stored(src._stored(e), tg, e.dataset)
-            write_array(f, "index", np.array(rows, dtype=INDEX_DTYPE), 3)
-            write_digest_table(f, digest_rows(src.digests, src.entries))
-            write_requests(f, {i: snapshot_request(r) for i, r in requests.items()})
-        os.replace(tmp, out)
-        return {"tensors": len(rows), "digests": len(src.digests), "segments": src.segments,
-                "bytes_file": out.stat().st_size}
-    except TraceError:
-        _unlink(tmp)
-        raise
-    except BaseException as e:
-        _unlink(tmp)
-        if isinstance(e, Exception):
-            raise TraceError(f"cannot write trace {out}: {_oserror_text(e)}; "
-                             f"partial trace kept in {parts}") from None
-        raise
-    finally:
-        src.close()
-
-
-def _copy_stored(st, dst: h5py.Group, name: str) -> None:
-    """Copy one tensor as stored (``storage.StoredArray``): compressed chunks byte for byte."""
-    ds = create_dataset(dst, name, st.shape, st.dtype, st.chunk,
-                        st.clevel if st.chunk is not None else 3)
-    if st.chunk is None:
-        if st.nbytes:
-            write_whole(ds, st.read())
-        return
-    for offset in chunk_offsets(st.shape, st.chunk):
-        ds.id.write_direct_chunk(offset, st.raw_chunk(offset))
-
-
-def _unlink(p: Path) -> None:
-    try:
-        p.unlink()
-    except OSError:
-        pass
-
-
-def recover(parts_dir: str | os.PathLike, out: str | os.PathLike, *,
-            overwrite: bool = False) -> dict:
-    """Turn the parts directory a killed recording left into one trace file.
-
-    The result holds every completed step (the valid prefix of segments),
-    the run metadata and the last snapshot of every request; its root
-    attribute ``complete`` is False, so readers report it as partial. The
-    parts directory is left in place (delete it once the file is checked).
-
-    Args:
-        parts_dir: the ``<trace>.parts`` directory.
-        out: the trace file to create.
-        overwrite: replace an existing ``out``.
-
-    Returns:
-        stats: ``{"tensors", "digests", "segments", "bytes_file"}``.
-
-    Raises:
-        TraceError: ``parts_dir`` is not a readable parts directory, or
-            ``out`` exists or cannot be written.
-    """
-    parts = Path(parts_dir)
-    if not parts.is_dir():
-        raise TraceError(f"{parts} is not a directory (expected <trace>.parts)")
-    out = Path(out)
-    check_writable(out, overwrite=overwrite, min_free=0)
-    return merge_parts(parts, out, overwrite=overwrite, complete=False)

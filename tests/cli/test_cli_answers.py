@@ -15,7 +15,6 @@ import pytest
 from click.testing import CliRunner
 
 from statediff.cli import cli
-from statediff.cli.shared import DEFAULT_NOISE_FACTOR
 from statediff.diff.compare import compare
 from statediff.diff.noise import DEFAULT_FACTOR
 from statediff.diff.plot import panels
@@ -63,24 +62,32 @@ def test_every_command_says_what_it_does():
     r = run("--help")
     assert r.exit_code == 0
     lines = [line.rstrip() for line in r.stdout.splitlines()]
-    assert lines[lines.index("Commands:") + 1:lines.index("Commands:") + 7] == [
+    assert lines[lines.index("Commands:") + 1:lines.index("Commands:") + 9] == [
+        "  audit      Check one run's restores against what it saved.",
         "  calibrate  Learn the noise floor of two cold runs (NOISE.json).",
         "  compare    Name the first divergent tensor of HIT vs COLD.",
         "  extract    Write the smallest bundle (.zip) that shows the root.",
         "  inspect    Show what a trace holds: run, requests, tensors, sizes.",
         "  recover    Make one trace file of an interrupted recording.",
-        "  report     Write the incident record (Markdown) of HIT vs COLD."]
+        "  report     Write the incident record (Markdown) of HIT vs COLD.",
+        "  verify     Read every tensor of a trace or bundle and check its data."]
     # engine-side commands, described from their source without importing torch (test_no_torch checks that)
     engine = lines[lines.index("Engine-side commands (need torch and vLLM; loaded on use):") + 1:]
     assert engine == [
         "  ablate            Run setups as hit/cold pairs; print a PASS/FAIL table.",
         "  build-tiny-model  Write a built-in tiny model (random weights).",
+        "  check             Record a hit run and a cold run, then compare them.",
         "  record            Replay a conversation on vLLM and record a trace."]
     assert not any(line.endswith("...") for line in lines[1:])  # no description cut short
 
 
 def test_the_noise_factor_default_in_help_is_the_library_default():
-    assert DEFAULT_NOISE_FACTOR == DEFAULT_FACTOR == 4.0
+    from statediff.cli import shared
+    from statediff.diff import defaults, noise
+
+    assert noise.DEFAULT_FACTOR is defaults.DEFAULT_FACTOR is shared.DEFAULT_FACTOR  # one owner
+    assert DEFAULT_FACTOR == 4.0
+    assert "[default: 4; a bundle's own]" in " ".join(run("compare", "--help").stdout.split())
 
 
 # -- compare: a trace with itself, two traces of one mode ------------------------------
@@ -185,3 +192,48 @@ def test_heatmap_tells_not_captured_from_identical_and_colours_by_error(traces):
     assert p.roots == {(1, 80)}
     assert p.diverged == {(1, 80), (0, 96), (1, 96), (2, 96), (3, 96)}
     assert not by_request[0].differs and by_request[0].hit_at == 0
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["audit"]])
+def test_a_plain_directory_or_the_root_is_named_as_a_directory(tmp_path, command):
+    # "." and "/" have no file name: they used to get "unexpected ValueError ... has an empty name"
+    for d in (tmp_path, Path("/")):
+        r = run(*command, str(d))
+        one_line_error(r, f"{d} is a directory, not a trace (nor a recording's TRACE.h5.parts directory)")
+
+
+def test_an_existing_plot_needs_overwrite_and_an_empty_name_is_refused(traces, tmp_path):
+    out = tmp_path / "kept.png"
+    out.write_text("precious")
+    one_line_error(run("compare", "--plot", out, traces["fault"], traces["cold"]),
+                   f"{out} already exists (use --overwrite to replace it)")
+    assert out.read_text() == "precious"
+    one_line_error(run("compare", "--plot", "", traces["fault"], traces["cold"]),
+                   "--plot '.': give a file name, such as heatmap.png")
+    r = run("compare", "--plot", out, "--overwrite", traces["fault"], traces["cold"])
+    assert r.exit_code == 1 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("command", ["report", "calibrate"])
+def test_an_output_that_is_an_input_is_refused_even_with_overwrite(traces, tmp_path, command):
+    cold = tmp_path / "cold.h5"
+    shutil.copyfile(traces["cold"], cold)
+    before = cold.read_bytes()
+    first = traces["fault"] if command == "report" else traces["cold"]
+    one_line_error(run(command, first, cold, "-o", cold, "--overwrite"),
+                   f"{cold} is one of the inputs: write the output elsewhere")
+    assert cold.read_bytes() == before
+
+
+def test_a_damaged_tensor_is_one_line_and_no_numpy_warning(tmp_path):
+    # issue 19: a damaged tensor printed numpy RuntimeWarnings before its line. A real trace (traces/),
+    # 16 bytes of request 1's K block at 544 flipped: compare reads it and must say so in one line.
+    bad = tmp_path / "hit.h5"
+    data = bytearray((ROOT / "traces" / "hit-ssm-bf16.h5").read_bytes())
+    for i in range(1_200_000, 1_200_016):
+        data[i] ^= 0x5A
+    bad.write_bytes(bytes(data))
+    p = run_process("compare", bad, ROOT / "traces" / "cold.h5")
+    assert (p.returncode, p.stderr.splitlines()) == (2, [
+        f"statediff: error: {bad}: tensor t000000054 (request 1 position 544 layer 3 "
+        "(model.layers.3.self_attn.attn) attn.k) is damaged: its bytes do not match the hash in the index"])

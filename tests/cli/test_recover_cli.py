@@ -33,6 +33,14 @@ def test_recover_a_killed_recording(tmp_path):
     assert res.output.strip() == f"recovered 2 tensors from 2 completed steps into {out} (partial)"
     with open_trace(out) as t:
         assert t.partial and [e.position for e in t.entries] == [32, 64]
+    # an output inside the parts directory would replace the data it recovers from, --overwrite or not
+    inside = tmp_path / "t.h5.parts" / "data.h5"
+    before = inside.read_bytes()
+    res = CliRunner().invoke(cli, ["recover", str(tmp_path / "t.h5.parts"), "-o", str(inside), "--overwrite"])
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"statediff: error: {inside} is inside {tmp_path / 't.h5.parts'}, the parts directory being recovered: "
+        "write it elsewhere"]
+    assert inside.read_bytes() == before
 
 
 def test_recover_refuses_what_is_not_a_parts_directory(tmp_path):

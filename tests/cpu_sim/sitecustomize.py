@@ -20,20 +20,33 @@ import sys
 if os.environ.get("STATEDIFF_TEST_NO_AVX512_BF16") == "1":
 
     class _NoAvx512Bf16(importlib.abc.MetaPathFinder):
-        """Finds ``torch`` through the other finders, then patches it right after it executes."""
+        """Finds ``torch`` through the other finders, then patches it right after it executes.
+
+        Stays in ``sys.meta_path`` until torch has really been executed: a bare
+        ``importlib.util.find_spec("torch")`` (transformers asks it before importing
+        anything) runs no module, and the import that follows must still be patched.
+        """
+
+        busy = False
 
         def find_spec(self, name, path=None, target=None):
-            if name != "torch":
+            if name != "torch" or self.busy:
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec("torch")
+            self.busy = True  # find the real spec through the other finders
+            try:
+                spec = importlib.util.find_spec("torch")
+            finally:
+                self.busy = False
             if spec is None or spec.loader is None:
                 return spec
             run = spec.loader.exec_module
+            finder = self
 
             def exec_module(module):
                 run(module)
                 module.cpu._is_avx512_bf16_supported = lambda: False
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
 
             spec.loader.exec_module = exec_module
             return spec

@@ -8,7 +8,7 @@ import pytest
 
 from statediff.diff.align import align, check_comparable
 from statediff.diff.diverge import classify, shared_prefix
-from statediff.errors import MismatchError
+from statediff.errors import MismatchError, NotComparableError
 
 from synth import entry
 
@@ -59,8 +59,18 @@ def test_identity_mismatch_refused_with_both_values():
 
 
 def test_identity_mismatch_allowed_becomes_a_warning():
-    warnings = check_comparable(FakeTrace(), FakeTrace(block_size=32), allow_engine_mismatch=True)
-    assert warnings == ["engine mismatch allowed: block_size differs (hit 16, cold 32)"]
+    warnings = check_comparable(FakeTrace(), FakeTrace(dtype="float16"), allow_engine_mismatch=True)
+    assert warnings == ["engine mismatch allowed: dtype differs (hit 'bfloat16', cold 'float16')"]
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_two_block_sizes_are_not_comparable_even_across_engines(allow):
+    # issue 19: with --allow-engine-mismatch it used to name a root in request 0, which had no hit
+    with pytest.raises(NotComparableError) as e:
+        check_comparable(FakeTrace(), FakeTrace(block_size=32), allow_engine_mismatch=allow)
+    assert str(e.value) == ("runs not comparable: block_size differs (hit 16, cold 32); their K/V blocks and "
+                            "state checkpoints cover different tokens, --allow-engine-mismatch or not (record "
+                            "both with the same --block-size)")
 
 
 def test_unknown_identity_value_is_a_warning_and_partial_noted():

@@ -126,7 +126,7 @@ def test_missing_matrix_file(tmp_path):
 def test_table_and_exit_code(tmp_path):
     m = load_matrix(write(tmp_path, GOOD))
     base, fault, miss = m.variants
-    rows = [Row(1, base, "PASS", True, hits=[0, 32]),
+    rows = [Row(1, base, "PASS", True, hits=[0, 32], engine="vllm 0.32.0"),
             Row(2, fault, "FAIL", True, root="request 4, position 64, layer 1 (m), gdn.ssm_state",
                 root_key=(4, 64, 1, "gdn.ssm_state"), diagnosis="diagnosis: zeros", hits=[0, 32]),
             Row(3, miss, "ERROR", False, error="hit run: the engine failed to start: TypeError: x")]
@@ -134,17 +134,17 @@ def test_table_and_exit_code(tmp_path):
     assert res.exit_code == 1
     text = res.to_text().splitlines()
     assert text[0] == "ablation: t (m.toml)"
-    assert text[1].split() == ["#", "variant", "changes", "hit", "tokens", "per", "request", "result", "expected",
-                               "root", "divergence"]
-    assert text[2].split()[:6] == ["1", "base", "base", "[0,", "32]", "PASS"]
+    assert text[1].split() == ["#", "variant", "changes", "engine", "hit", "tokens", "per", "request", "result",
+                               "expected", "root", "divergence"]
+    assert text[2].split()[:7] == ["1", "base", "base", "vllm", "0.32.0", "[0,", "32]", "PASS"][:7]
     assert text[3].endswith("FAIL    FAIL      ok          root: request 4, position 64, layer 1 (m), "
                             "gdn.ssm_state; diagnosis: zeros")
     assert text[4].endswith("ERROR   PASS      UNEXPECTED  error: hit run: the engine failed to start: TypeError: x")
     assert text[5] == "3 variants: 1 PASS, 1 FAIL, 1 ERROR; 1 not as expected: miss"
     md = res.to_markdown().splitlines()
-    assert md[2] == ("| # | variant | changes | hit tokens per request | result | expected | as expected | "
+    assert md[2] == ("| # | variant | changes | engine | hit tokens per request | result | expected | as expected | "
                      "root divergence |")
-    assert md[5] == "| 2 | fault | fault=ssm-wrong-block:layer=1 | [0, 32] | FAIL | FAIL | ok | " \
+    assert md[5] == "| 2 | fault | fault=ssm-wrong-block:layer=1 | - | [0, 32] | FAIL | FAIL | ok | " \
                     "root: request 4, position 64, layer 1 (m), gdn.ssm_state; diagnosis: zeros |"
     rows[2].matched = True
     assert res.exit_code == 0
@@ -215,8 +215,93 @@ def test_matrix_on_the_tiny_hybrid(tiny_model, tmp_path):
     assert all((tmp_path / "work" / f"{t}.log").is_file() for t in traces)  # each run's engine log beside it
     table = md.read_text().splitlines()
     assert table[0] == "## Ablation: tiny hybrid, boundary sweep, exact replay"
-    assert table[4] == "| 1 | no fault | base | [0, 32, 32, 32, 64] | PASS | PASS | ok | no divergence |"
-    assert table[5].startswith("| 2 | planted fault | fault=ssm-wrong-block:layer=1 | [0, 32, 32, 32, 64] | FAIL | "
+    assert table[4] == ("| 1 | no fault | base | vllm 0.32.0 | [0, 32, 32, 32, 64] | PASS | PASS | ok | "
+                        "no divergence |")
+    assert table[5].startswith("| 2 | planted fault | fault=ssm-wrong-block:layer=1 | vllm 0.32.0 | "
+                               "[0, 32, 32, 32, 64] | FAIL | "
                                "FAIL | ok | root: request 4, position 64, layer 1 (model.layers.1.linear_attn), "
                                "gdn.ssm_state")
     assert table[-1] == "5 variants: 3 PASS, 1 FAIL, 1 ERROR; every row as expected"
+
+
+FAKE_RECORD = '''"""Stands in for `python -m statediff record ...` of an installed engine version: writes a
+synthetic trace (tests/synth.py) whose run names that version; --fault plants a wrong-block fault."""
+import sys
+sys.path.insert(0, {tests!r})
+from synth import Fault, write_trace
+
+version, argv = sys.argv[1], sys.argv[2:]  # argv: -m statediff record ...
+out, mode = argv[argv.index("-o") + 1], argv[argv.index("--mode") + 1]
+faults = [Fault("prev_block", 2, 1)] if "--fault" in argv else []
+with open(out + ".calls", "a") as f:
+    f.write(version + "\\n")
+write_trace(out, mode, faults=faults, replay="exact", engine="vllm", engine_version=version)
+'''
+
+
+def fake_interpreter(tmp_path: Path, version: str) -> Path:
+    """A venv directory whose bin/python records as vLLM ``version`` would (FAKE_RECORD)."""
+    import sys
+
+    script = tmp_path / "fake_record.py"
+    script.write_text(FAKE_RECORD.format(tests=str(Path(__file__).resolve().parents[1])))
+    venv = tmp_path / f"vllm-{version}"
+    (venv / "bin").mkdir(parents=True)
+    exe = venv / "bin" / "python"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" {version} "$@"\n')
+    exe.chmod(0o755)
+    return venv
+
+
+VERSIONS_MATRIX = """
+title = "engine version as an axis"
+[base]
+model = "tiny"
+replay = "exact"
+
+[[variant]]
+name = "vLLM 0.29"
+python = "vllm-0.29.0"
+
+[[variant]]
+name = "vLLM 0.30"
+python = "vllm-0.30.0/bin/python"
+
+[[variant]]
+name = "vLLM 0.30, fault"
+python = "vllm-0.30.0"
+fault = "ssm-wrong-block:layer=1"
+expect = "fail"
+expect_root = {{ request = 2, layer = 1, kind = "gdn.ssm_state" }}
+"""
+
+
+def test_variants_that_differ_in_the_interpreter_are_one_row_per_engine_version(tmp_path):
+    from statediff_hooks.drivers.ablate import run_matrix
+
+    for v in ("0.29.0", "0.30.0"):
+        fake_interpreter(tmp_path, v)
+    m = load_matrix(write(tmp_path, VERSIONS_MATRIX.format()))
+    assert [v.settings["python"] for v in m.variants] == [
+        str(tmp_path / "vllm-0.29.0/bin/python"), str(tmp_path / "vllm-0.30.0/bin/python"),
+        str(tmp_path / "vllm-0.30.0/bin/python")]
+    said: list[str] = []
+    res = run_matrix(m, work_dir=tmp_path / "work", say=said.append)
+    assert [r.engine for r in res.rows] == ["vllm 0.29.0", "vllm 0.30.0", "vllm 0.30.0"]
+    assert [r.status for r in res.rows] == ["PASS", "PASS", "FAIL"]
+    assert all(r.matched for r in res.rows) and res.exit_code == 0
+    assert res.rows[2].root_key == (2, 80, 1, "gdn.ssm_state")
+    # each version records its own cold baseline; the 0.30 fault row reuses 0.30's
+    assert said.count("[3] vLLM 0.30, fault: the cold run reuses 02-vllm-0-30-cold.h5 (same record arguments)") == 1
+    assert (tmp_path / "work" / "01-vllm-0-29-cold.h5.calls").read_text() == "0.29.0\n"
+    assert (tmp_path / "work" / "02-vllm-0-30-cold.h5.calls").read_text() == "0.30.0\n"
+    text = res.to_text().splitlines()
+    assert text[2].split()[:5] == ["1", "vLLM", "0.29", "python=vllm-0.29.0", "vllm"]
+    assert "vllm 0.29.0" in text[2] and "vllm 0.30.0" in text[3] and "vllm 0.30.0" in text[4]
+
+
+def test_a_python_setting_without_an_interpreter_is_refused_before_anything_runs(tmp_path):
+    r = CliRunner().invoke(cli, ["ablate", str(write(tmp_path, VERSIONS_MATRIX.format()))])
+    assert r.exit_code == 2
+    assert r.stderr == (f"statediff: error: {tmp_path / 'm.toml'}: variant 1 ('vLLM 0.29'): python = 'vllm-0.29.0': "
+                        "no Python executable there (give an interpreter or a venv directory)\n")

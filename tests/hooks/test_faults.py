@@ -11,6 +11,8 @@ import torch
 from statediff_hooks.faults import FaultPlanter, Site, parse_fault
 from statediff_hooks.vllm.faults_v1 import BlockTableRow, GdnSlot
 
+pytestmark = pytest.mark.engine  # imports torch when it loads
+
 
 class Recorded:
     def __init__(self):
@@ -81,3 +83,25 @@ def test_gdn_faults_through_the_same_interface():
     with pytest.raises(NotImplementedError, match="GdnSlot has no KV blocks"):
         FaultPlanter(parse_fault("kv-stale")).plant(site.__class__(**{**site.__dict__, "family": "attn"}),
                                                    GdnSlot(conv, ssm, 0, None))
+
+
+def test_drafter_kv_zero_zeroes_the_drafters_cached_blocks_only():
+    runner, _ = _runner({"a": ROW[:4], "b": ROW[4:8]})
+    cache = torch.ones(24, 2, 32, 256)  # [num_blocks, heads, block_size, K|V]
+    note = Recorded()
+    planter = FaultPlanter(parse_fault("drafter-kv-zero"), note)
+    target = dict(request=1, hit=96, module="model.layers.3.self_attn.attn", block_size=32, family="attn")
+    assert not planter.plant(Site(layer=3, **target), BlockTableRow(runner, 3, "a", cache))  # a target layer
+    assert cache.eq(1).all()
+    drafter = dict(target, module="mtp.layers.0.self_attn.attn")
+    assert planter.plant(Site(layer=4, drafter=True, **drafter), BlockTableRow(runner, 3, "a", cache))
+    zeroed = [b for b in range(24) if cache[b].eq(0).all()]
+    assert zeroed == ROW[:3]  # logical blocks 0..2 of request a: the 96 cached tokens
+    assert all(cache[b].eq(1).all() for b in range(24) if b not in zeroed)
+    assert {k: planter.fired[k] for k in ("request", "position", "layer", "module", "kind", "blocks")} == {
+        "request": 1, "position": 32, "layer": 4, "module": "mtp.layers.0.self_attn.attn", "kind": "attn.k",
+        "blocks": [0, 2]}
+    assert note.notes == [planter.fired]
+    # the KV remaps never act on a drafter layer
+    stale = FaultPlanter(parse_fault("kv-stale"))
+    assert not stale.applies(Site(layer=4, drafter=True, **dict(drafter, hit=96)))

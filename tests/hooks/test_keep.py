@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from statediff_hooks.keep import Focus, KeepPolicy, KeepSpec, focus_from_compare, parse_bytes, parse_focus_spec
+from statediff_hooks.keep import Focus, KeepPolicy, KeepSpec, parse_bytes, parse_focus_spec
+from statediff_hooks.refocus import focus_from_compare
 
 BS = 32
 HIT = 448

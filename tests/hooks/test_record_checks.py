@@ -47,14 +47,13 @@ def jsonl(path: Path, *lines: dict) -> Path:
 def test_a_request_longer_than_max_model_len_is_refused_with_the_length_that_fits(tiny_model, tmp_path, no_engine):
     conv = jsonl(tmp_path / "c.jsonl", {"prompt_token_ids": list(range(3, 103))},
                  {"prompt_token_ids": [5] * 5000, "max_tokens": 16})
-    r, took = record(str(conv), "--model", str(tiny_model), "--mode", "hit", "-o", str(tmp_path / "x.h5"),
+    r, _ = record(str(conv), "--model", str(tiny_model), "--mode", "hit", "-o", str(tmp_path / "x.h5"),
                      "--max-model-len", "4096")
     assert r.exit_code == 2
     assert r.stderr.splitlines() == [
         f"statediff: error: {conv}:2: request 1 needs 5016 tokens (5000 prompt + 16 max_tokens), more than "
         "--max-model-len 4096; --max-model-len 5120 fits every request"]
     assert no_engine == [] and not (tmp_path / "x.h5").exists() and not (tmp_path / "x.h5.log").exists()
-    assert took < 30  # tokenizer only: an engine start would take longer
 
 
 def test_a_request_longer_than_the_model_is_refused_without_max_model_len(tiny_model, tmp_path, no_engine):
@@ -70,12 +69,12 @@ def test_a_request_longer_than_the_model_is_refused_without_max_model_len(tiny_m
 def test_a_token_id_outside_the_vocabulary_is_named_with_its_line(tiny_model, tmp_path, no_engine):
     conv = jsonl(tmp_path / "c.jsonl", {"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1, 2, 3]},
                  {"prompt_token_ids": [4, 5, 1024, 6]})
-    r, took = record(str(conv), "--model", str(tiny_model), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
+    r, _ = record(str(conv), "--model", str(tiny_model), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
     assert r.exit_code == 2
     assert r.stderr.splitlines() == [
         f"statediff: error: {conv}:3: token id 1024 (prompt position 2) is outside the vocabulary of "
         f"{tiny_model} (ids 0..1023)"]
-    assert no_engine == [] and took < 30
+    assert no_engine == []
 
 
 @pytest.mark.parametrize("case,message", [
@@ -99,10 +98,10 @@ def test_a_bad_model_directory_is_one_line(tmp_path, no_engine, case, message):
         (m / "tokenizer.json").write_text("{}")
         if case == "bad-config":
             (m / "config.json").write_text("[1, 2]")
-    r, took = record("--model", str(m), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
+    r, _ = record("--model", str(m), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
     assert r.exit_code == 2
     assert r.stderr.splitlines() == ["statediff: error: " + message.format(m=m)]
-    assert no_engine == [] and took < 30
+    assert no_engine == []
 
 
 @pytest.mark.parametrize("field,message", [
@@ -322,3 +321,29 @@ def test_agent_conversation_with_25_tools_past_4096_tokens_records_quietly(tiny_
     log = (tmp_path / "hit.h5.log").read_text()
     assert "INFO" in log and "Resolved architecture: Qwen3NextForCausalLM" in log
     assert "Using max model len 4992" in log
+
+
+def test_the_builtin_conversation_on_a_model_without_a_chat_template_is_sent_as_token_ids(
+        tiny_model, tmp_path, no_engine):
+    """Issue 19: no chat template -> one note line, then the plain-text token ids (the engine gets those)."""
+    import shutil
+
+    from statediff_hooks.drivers.demo import demo_conversation, plain_text
+
+    m = tmp_path / "notemplate"
+    shutil.copytree(tiny_model, m)
+    (m / "chat_template.jinja").unlink()
+    r, _ = record("--model", str(m), "--mode", "hit", "-o", str(tmp_path / "x.h5"))
+    assert r.exit_code == 2  # the fake engine's refusal
+    assert r.stderr.splitlines() == [
+        f"statediff: note: {m} has no chat template: the built-in conversation is sent as token ids of "
+        "plain 'role: content' text", "statediff: error: engine would start here"]
+    turns = no_engine[0]["turns"]
+    assert [t.messages for t in turns] == [None] * 5
+    first = plain_text(demo_conversation()[0])
+    assert first.startswith("system: You are a careful coding agent.") and first.endswith("\n\nuser: The cache "
+                                                                                         "tests fail after the last merge. Find out why.\n\nassistant:")
+    from transformers import AutoTokenizer
+
+    assert turns[0].prompt_token_ids == AutoTokenizer.from_pretrained(str(m)).encode(first)
+    assert no_engine[0]["prompts"] == [t.prompt_token_ids for t in turns]

@@ -593,9 +593,20 @@ def digests_decompression_bomb(d: Path) -> Path:
 READ_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {}
 
 
-def read_case(fragment: str):
+def _without_frames(p: Path) -> Path:
+    """Drop ``/frames``: the reader then locates each tensor through its HDF5 dataset, as in traces
+    written before ``/frames`` existed (the read cases edit those datasets)."""
+    with h5py.File(p, "r+") as f:
+        if "frames" in f:
+            del f["frames"]
+    return p
+
+
+def read_case(fragment: str, *, frames: bool = False):
+    """Register a case that opens and whose tensor t000000000 is refused when read (``frames``:
+    keep ``/frames``, else the case is about the dataset itself and ``/frames`` is dropped)."""
     def deco(fn):
-        READ_CASES[fn.__name__] = (fn, fragment)
+        READ_CASES[fn.__name__] = (fn if frames else (lambda d, fn=fn: _without_frames(fn(d))), fragment)
         return fn
     return deco
 
@@ -786,6 +797,53 @@ def tensor_virtual(d: Path) -> Path:
     return _edit(d, "virtual.h5", fn)
 
 
+# /frames of a merged trace: where each tensor's chunks lie (the reader reads them there).
+def _edit_frames(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[h5py.File], None]:
+    def edit(f: h5py.File) -> None:
+        rows = fn(f["frames"][()])
+        del f["frames"]
+        f.create_dataset("frames", data=rows)
+    return edit
+
+
+def _frames_row(rows: np.ndarray, name: bytes) -> int:
+    return int(np.flatnonzero(rows["dataset"] == name)[0])
+
+
+def _far_offset(rows: np.ndarray) -> np.ndarray:
+    rows["offset"][0] = 1 << 40
+    return rows
+
+
+@case("/frames row 0 (")
+def frames_row_outside_the_file(d: Path) -> Path:
+    return _edit(d, "frfar.h5", _edit_frames(_far_offset))
+
+
+@case("/frames does not locate /tensors/t000000001")
+def frames_missing_a_tensor(d: Path) -> Path:
+    return _edit(d, "frmiss.h5", _edit_frames(lambda rows: rows[rows["dataset"] != b"t000000001"]))
+
+
+@case("/frames locates t000000099, which is not under /tensors")
+def frames_locating_a_tensor_not_there(d: Path) -> Path:
+    def add(rows: np.ndarray) -> np.ndarray:
+        extra = rows[-1:].copy()
+        extra["dataset"] = b"t000000099"
+        return np.concatenate([rows, extra])
+    return _edit(d, "frextra.h5", _edit_frames(add))
+
+
+@read_case("frame declares 60 bytes, the chunk holds 128 (refused before decompressing)", frames=True)
+def frames_pointing_at_another_tensor(d: Path) -> Path:
+    """t000000000's row points at t000000001's frame: read there, refused by its declared size."""
+    def swap(rows: np.ndarray) -> np.ndarray:
+        a, b = _frames_row(rows, b"t000000000"), _frames_row(rows, b"t000000001")
+        rows["offset"][a], rows["size"][a] = rows["offset"][b], rows["size"][b]
+        return rows
+    return _edit(d, "frswap.h5", _edit_frames(swap))
+
+
 # Request records (the trace opens only if they are valid).
 @case("/requests/r00000000: 'chunks' is not a list of [start, end) token ranges")
 def request_chunks_wrong_type(d: Path) -> Path:
@@ -822,6 +880,13 @@ def request_bad_name(d: Path) -> Path:
 @case("is not a request group named r<8 digits>")
 def request_is_dataset(d: Path) -> Path:
     return _edit(d, "reqds.h5", lambda f: f["requests"].create_dataset("r00000009", data=[1]))
+
+
+@case("is unreadable: its name is not UTF-8 text")
+def request_name_not_utf8(d: Path) -> Path:
+    """A member name h5py hands over as bytes (found by the metadata fuzz tier: the read guard's
+    child failed to send such a map)."""
+    return _edit(d, "requtf8.h5", lambda f: f["requests"].create_group(b"r\xff0000001"))
 
 
 @case("prompt_token_ids: stored type float64 is not the expected int64")

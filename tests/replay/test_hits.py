@@ -116,10 +116,6 @@ def test_other_reasons_and_beyond():
     assert account_run(run_meta(), recs)[2].reason == (
         "cache_salt differs (request 2 'b', request 0 'a'): the engine never shares cached blocks "
         "across salts")
-    dense = run_meta(mamba_cache_mode=None, speculative_method="eagle3")
-    assert account_run(dense, issue_conversation(64))[2].reason == (
-        "speculative decoding (eagle3) drops the last matched block of a hit (drafters fed target "
-        "hidden states)")
     small = run_meta(mamba_cache_mode=None, num_gpu_blocks=4)
     assert account_run(small, issue_conversation(0))[2].reason == (
         "the KV cache is likely too small to keep it: about 256 tokens per request against 304 tokens "  # 207 + 97
@@ -154,3 +150,19 @@ def test_a_hit_through_the_last_sampled_token_is_not_beyond():
     recs[1]["num_cached_tokens"] = 64
     assert account_run({"block_size": 16, "mode": "hit"}, recs)[1].finding.startswith(
         "request 1 resumed from 64 tokens but shares only 48 tokens (3 blocks)")
+
+
+def test_the_drafters_last_block_drop_is_expected_and_a_missing_drop_is_a_finding():
+    dense = run_meta(mamba_cache_mode=None, speculative_method="eagle3", engine="vllm")
+    dropped = account_run(dense, issue_conversation(64))[2]  # shares 128: vLLM drops the last block
+    assert (dropped.expected, dropped.finding, dropped.kind) == (64, None, None)
+    kept = account_run(dense, issue_conversation(128))[2]
+    assert kept.kind == "no-drop" and kept.finding == (
+        "request 2 resumed from 128 tokens, 64 more than the 64 expected: vLLM drops the last matched block "
+        "of every hit for a eagle3 drafter (it recomputes that block's hidden states), and this hit kept it")
+    short = account_run(dense, issue_conversation(0))[2]
+    assert short.kind == "shortfall" and short.expected == 64
+    ngram = account_run(run_meta(mamba_cache_mode=None, speculative_method="ngram"), issue_conversation(128))[2]
+    assert (ngram.expected, ngram.finding) == (128, None)  # drafters not fed hidden states drop nothing
+    other = account_run(dense | {"engine": "transformers"}, issue_conversation(128))[2]
+    assert (other.expected, other.finding) == (128, None)

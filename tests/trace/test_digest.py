@@ -11,6 +11,8 @@ from statediff.trace.digest import MASK64, PIECE_WORDS, digest_array, weights
 from statediff_hooks import digest as tdigest
 from statediff_hooks.recorder import to_host
 
+pytestmark = pytest.mark.engine  # imports torch when it loads
+
 
 def _naive(data: bytes) -> str:
     """The definition, word by word in Python integers (the slowest, plainest form)."""

@@ -17,6 +17,8 @@ from statediff.trace.summary import (Q_HI, Q_LO, SKETCH_DIM, SKETCH_SEED, Summar
 from statediff_hooks import digest as tdigest
 from statediff_hooks.recorder import to_host
 
+pytestmark = pytest.mark.engine  # imports torch when it loads
+
 FP8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.bool,
           torch.int32, torch.int64, *FP8]

@@ -1,10 +1,18 @@
 """Hostile and damaged traces: every one is refused with one TraceError line, nothing else.
 
-The cases live in tests/hostile/corpus.py (generated from one valid trace).
-The fuzz tier mutates bytes of a valid trace (fixed examples in CI); run it
-longer, on other examples, with e.g.
-``STATEDIFF_FUZZ_EXAMPLES=20000 STATEDIFF_FUZZ_SEED=7 python -m pytest tests/trace/test_trace_hostile.py -k fuzz``.
-Every failure it finds becomes a named case in the corpus.
+The cases live in tests/hostile/corpus.py (generated from one valid trace);
+files that broke a bound of the read guard (a libhdf5 loop, crash or memory
+blow-up) are kept as found in tests/hostile/found/, each with a JSON note.
+
+Two fuzz tiers. The byte tier mutates any bytes of a valid trace (fixed
+examples in CI; run it longer, on other examples, with e.g.
+``STATEDIFF_FUZZ_EXAMPLES=20000 STATEDIFF_FUZZ_SEED=7 python -m pytest tests/trace/test_trace_hostile.py -k fuzz``).
+The metadata tier (tests/hostile/metafuzz.py) mutates the structures
+libhdf5 parses, with their checksums recomputed, for
+``STATEDIFF_FUZZ_SECONDS`` (default 90 s) with a seed that changes between
+runs unless ``STATEDIFF_FUZZ_SEED`` is set; the seed is printed first, and
+every file that breaks a bound is saved to tests/hostile/found/. By hand:
+``.venv/bin/python tests/hostile/metafuzz.py --seconds 3600``.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from statediff.errors import StatediffError, TraceError  # noqa: E402
 from statediff.trace import open_trace  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-FUZZ_EXAMPLES = int(os.environ.get("STATEDIFF_FUZZ_EXAMPLES", 1000))
+FUZZ_EXAMPLES = int(os.environ.get("STATEDIFF_FUZZ_EXAMPLES", 300))
 FUZZ_SEED = os.environ.get("STATEDIFF_FUZZ_SEED")  # unset: the same examples every run
 
 
@@ -420,3 +428,110 @@ def test_tables_shorter_than_the_run_field_keep_says_are_refused(tmp_path: Path)
         open_trace(path)
     assert str(info.value) == (f"{path}: run field keep.digest_only_tensors is 2 but /digests holds 1 such "
                                "tensors (a table was cut or edited)")
+
+
+# -- the metadata tier and the files it found ----------------------------------------------------------
+
+FUZZ_SECONDS = float(os.environ.get("STATEDIFF_FUZZ_SECONDS", 90))
+FOUND = REPO / "tests" / "hostile" / "found"
+FOUND_NAMES = sorted(p.name.removesuffix(".h5.gz") for p in FOUND.glob("*.h5.gz"))
+
+
+def test_metadata_fuzz_cases_are_read_or_refused_in_one_line(capsys, tmp_path) -> None:
+    """Every case of the metadata tier is read or refused in one line (``metafuzz.run_case`` raises
+    anything else); a case that breaks a bound of the read guard is a finding, saved to
+    $STATEDIFF_FUZZ_FOUND (default: this test's temporary directory; a test run never writes into
+    the source tree) and reported here, not a failure: the guard turned it into one line. Copy a
+    finding into tests/hostile/found/ to keep it in the corpus. Each case's whole read (the guarded map, then every table and tensor by byte range) must
+    end within twice its guard bound plus 60 s: generous, so that a loaded CI machine is no finding
+    (the bound itself is 10 s, or 100 times the bases' map time on this machine if longer)."""
+    from hostile import metafuzz
+
+    seed = int(os.environ["STATEDIFF_FUZZ_SEED"]) if os.environ.get("STATEDIFF_FUZZ_SEED") else None
+    lines: list[str] = []
+    found = Path(os.environ.get("STATEDIFF_FUZZ_FOUND") or tmp_path / "found")
+    report = metafuzz.fuzz(FUZZ_SECONDS, seed, found=found, log=lines.append)
+    with capsys.disabled():
+        print("\n" + "\n".join(lines + [report.line()]))
+    assert report.cases > 0, report.line()
+    assert set(report.outcomes) <= {"read", "refused", "time", "cpu", "memory", "crash"}, report.line()
+    assert report.slowest[0] <= 2 * report.bound + 60, report.line()
+    if report.findings:
+        import warnings
+
+        warnings.warn(f"metadata fuzz (seed {report.seed}) found {len(report.findings)} files that broke a "
+                      f"bound, in {found} (copy them into tests/hostile/found/ to keep them): "
+                      f"{report.findings}")
+
+
+def _refusal(path: Path) -> TraceError | None:
+    """The one-line refusal of a found file: opening it, or reading its tensors (None: it read)."""
+    try:
+        with open_trace(path) as t:  # a file that opens after all must still fail on its data
+            for e in t.entries:
+                t.read(e)
+    except TraceError as e:
+        return e
+    return None
+
+
+def found_file(name: str, d: Path) -> Path:
+    """The found file ``name`` (``tests/hostile/found/<name>.h5.gz``) unpacked into ``d``."""
+    import gzip
+
+    path = d / f"{name}.h5"
+    path.write_bytes(gzip.decompress((FOUND / f"{name}.h5.gz").read_bytes()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def found_paths(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("found")
+    return {name: found_file(name, d) for name in FOUND_NAMES}
+
+
+@pytest.fixture(scope="module")
+def found_refusals(found_paths) -> dict[str, TraceError | None]:
+    """Every found file opened at once (each in its own guarded child, a 2 s bound): such a file
+    never maps, so the bound only decides which line refuses it (libhdf5's own refusal, once fixed,
+    or the guard's), never whether it is refused; eight at a time, the hangs cost a bound per eight files."""
+    import concurrent.futures
+
+    from statediff.trace import guard
+
+    saved, guard.READ_SECONDS = guard.READ_SECONDS, 2.0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return dict(zip(found_paths, pool.map(_refusal, found_paths.values())))
+    finally:
+        guard.READ_SECONDS = saved
+
+
+@pytest.mark.parametrize("name", FOUND_NAMES)
+def test_found_files_are_refused_in_one_line(name: str, found_refusals, found_paths) -> None:
+    """Files that made libhdf5 loop, crash or blow its memory: refused in one line naming the file."""
+    import json
+
+    note = json.loads((FOUND / f"{name}.json").read_text())
+    assert note["bound"] in ("time", "cpu", "memory", "crash") and note["bound"] == name.split("-")[0]
+    assert {"h5py", "hdf5", "message", "mutations", "base"} <= set(note)
+    err = found_refusals[name]
+    assert err is not None, f"{name} was read"
+    assert str(found_paths[name]) in _one_line(err)
+
+
+def test_the_root_attribute_loop_is_refused_by_the_guard(tmp_path, monkeypatch) -> None:
+    """The global heap whose free-space object is shorter than its header: libhdf5 2.0.0 loops forever
+    reading the root attribute 'format'; the guard stops it at its bound (here 2 s)."""
+    import h5py
+
+    from statediff.trace import guard
+
+    path = found_file("time-c780b351f391", tmp_path)
+    monkeypatch.setattr(guard, "READ_SECONDS", 2.0)
+    with pytest.raises(TraceError) as info:
+        open_trace(path)
+    if h5py.version.hdf5_version == "2.0.0":
+        assert isinstance(info.value, guard.GuardBreach) and info.value.bound == "time"
+        assert str(info.value) == (f"{path}: reading its HDF5 metadata did not finish within 2 s (the read "
+                                   "guard's bound, STATEDIFF_READ_SECONDS): damaged or hostile file")

@@ -448,7 +448,7 @@ def test_writer_refuses_logprobs_that_disagree_with_the_outputs(tmp_path: Path) 
                          output_topk_logprobs=[[-1.0, -2.0]])
     with pytest.raises(ValueError, match="run field 'logprobs_k' is 65"):
         TraceWriter(tmp_path / "k.h5", {"engine": "synthetic", "logprobs_k": 65})
-    assert w.requests[0].get("output_logprobs") is None  # nothing half-applied
+    assert w.request_field(0, "output_logprobs") is None  # nothing half-applied
     w.close()
 
 

@@ -21,7 +21,7 @@ from statediff.trace.digest import digest_array
 
 from conftest import run_cli
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 HITS = [0, 448, 544, 672, 768]
 BS, ATTN_LAYER = 32, 3

@@ -27,7 +27,7 @@ from statediff_hooks.drivers.demo import demo_conversation
 
 from conftest import ENGINE_ENV, PIN, run_cli
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 HIT = 448  # request 1's prefix-cache hit (14 blocks of 32)
 FAULTS = {  # fault -> (root key, diagnosis text fragment or None)
@@ -184,7 +184,7 @@ def test_a_re_record_with_another_fault_than_its_reference_is_refused_before_the
 
 
 def test_focus_from_a_compare_result_names_the_trace_to_check_against(keep_runs, tmp_path):
-    from statediff_hooks.cli.record import keep_options
+    from statediff_hooks.refocus import keep_options
     from statediff_hooks.keep import Focus, KeepSpec
 
     rc, out = compare_json(keep_runs[_name("kv-swap", "none")], keep_runs["cold-none"])

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import require_engine
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
 @pytest.mark.parametrize("block_size", [32, 64, 96])

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from statediff.trace import open_trace
 
 from conftest import ENGINE_ENV, REPO, engine_has_avx512_bf16, run_cli
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 # The built-in conversation at block size 32 (tiny model, seed 0): prompt
 # lengths and the prefix-cache hit of each request in the hit run.
@@ -175,14 +176,27 @@ def test_recording_does_not_change_outputs(recordings):
     assert off["num_cached_tokens"] == [0] * 5 and on["stats"]["tensors"] > 0
 
 
-def test_unmodified_program_is_recorded_through_the_plugin(tmp_path, tiny_model):
-    """An LLM(...) script that knows nothing of statediff, with STATEDIFF_TRACE set."""
-    script = tmp_path / "user.py"
+def run_program(tmp_path, tiny_model, name: str, body: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run an LLM(...) script that knows nothing of statediff, with STATEDIFF_TRACE set: ``body`` (its
+    lines indented once) runs in ``main()`` after ``llm = LLM(tiny_model, ...)``. Returns (process, trace)."""
+    script = tmp_path / f"{name}.py"
     script.write_text(
         "from vllm import LLM, SamplingParams\n"
         "def main():\n"
         f"    llm = LLM(model={str(tiny_model)!r}, enable_prefix_caching=True, enforce_eager=True,\n"
         "              block_size=32, max_model_len=2048, dtype='bfloat16')\n"
+        + body +
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    trace = tmp_path / f"{name}.h5"
+    env = os.environ | ENGINE_ENV | {"STATEDIFF_TRACE": str(trace)}
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600), trace
+
+
+def test_unmodified_program_is_recorded_through_the_plugin(tmp_path, tiny_model):
+    """An LLM(...) script that knows nothing of statediff, with STATEDIFF_TRACE set."""
+    r, trace = run_program(tmp_path, tiny_model, "user", (
         "    base = list(range(3, 200))\n"
         "    for n, lp in ((0, None), (60, 3)):\n"
         "        o = llm.generate([{'prompt_token_ids': base + list(range(300, 300 + n + 5))}],\n"
@@ -190,13 +204,7 @@ def test_unmodified_program_is_recorded_through_the_plugin(tmp_path, tiny_model)
         "        print('cached', o.num_cached_tokens)\n"
         "        if lp:\n"
         "            c = o.outputs[0]\n"
-        "            print('logprobs', [c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)])\n"
-        "if __name__ == '__main__':\n"
-        "    main()\n"
-    )
-    trace = tmp_path / "user.h5"
-    env = os.environ | ENGINE_ENV | {"STATEDIFF_TRACE": str(trace)}
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+        "            print('logprobs', [c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)])\n"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cached 192" in r.stdout
     with open_trace(trace) as t:
@@ -211,6 +219,24 @@ def test_unmodified_program_is_recorded_through_the_plugin(tmp_path, tiny_model)
         printed = json.loads(r.stdout.split("logprobs ", 1)[1].splitlines()[0])
         assert t.requests[1]["output_logprobs"] == printed and len(printed) == 4
         assert [len(row) for row in t.requests[1]["output_topk_ids"]] == [3] * 4
+
+
+def test_a_program_that_dies_on_an_exception_leaves_its_trace_incomplete(tmp_path, tiny_model):
+    """An unmodified LLM(...) script that raises after two requests: the traceback is the program's,
+    and the trace holds both requests, marked incomplete with the exception named."""
+    r, trace = run_program(tmp_path, tiny_model, "crash", (
+        "    for n in (0, 40):\n"
+        "        llm.generate([{'prompt_token_ids': list(range(3, 100 + n))}],\n"
+        "                     SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)\n"
+        "    raise ValueError('the program failed after 2 requests')\n"))
+    assert r.returncode == 1
+    assert r.stderr.rstrip().endswith("ValueError: the program failed after 2 requests")
+    with open_trace(trace) as t:
+        assert t.partial and sorted(t.requests) == [0, 1]
+        assert t.run["stopped"] == {"request": None, "error": "ValueError: the program failed after 2 requests",
+                                    "where": "uncaught exception in the recorded program"}
+        assert t.partial_reason == "the replay stopped early: ValueError: the program failed after 2 requests"
+        assert t.requests[1]["num_cached_tokens"] == 96 and len(t.requests[1]["output_token_ids"]) == 2
 
 
 def test_bad_fault_spec_is_one_line_exit_2(tiny_model, tmp_path):
@@ -278,10 +304,10 @@ def test_activations_are_opt_in_eager_only_and_land_at_boundary_rows(recordings,
 def test_a_fault_that_never_fires_is_an_error_not_a_clean_run(recordings, tmp_path):
     out = tmp_path / "nf.h5"
     r = run_cli("record", "--model", str(recordings.model), "--block-size", "32", "--enforce-eager",
-                "--mode", "hit", "--exact", "--fault", "ssm-wrong-block:layer=99", "-o", str(out))
-    assert r.returncode == 2
+                "--mode", "hit", "--exact", "--fault", "ssm-wrong-block:request=0", "-o", str(out))
+    assert r.returncode == 2  # request 0 resumes from no hit (a layer outside the model is refused before)
     assert r.stderr.strip().splitlines()[-1] == (
-        "statediff: error: --fault ssm-wrong-block:layer=99 never fired (no request resumed from a "
+        "statediff: error: --fault ssm-wrong-block:request=0 never fired (no request resumed from a "
         f"prefix-cache hit deep enough, or no such layer or request): {out} holds a fault-free run")
     with open_trace(out) as t:  # what was recorded stays readable
         assert t.run["fault"] is None and not t.partial

@@ -1,0 +1,237 @@
+"""``statediff check``: a conversation to a verdict in one call (``CheckOptions`` in, ``run_check``,
+``CheckResult`` out).
+
+The steps, in order (``STEPS``; each names what it writes in the output directory):
+
+1. ``record-hit``: the hit run with the engine's own chunking (``record --mode hit
+   --exact-split``; with ``--exact`` one block per step instead), ``hit.h5`` (engine
+   log ``hit.h5.log``).
+2. ``audit-hit``: reserved for the one-run audit of the hit trace (``statediff audit``,
+   built elsewhere); a no-op here until it lands. It goes between the two runs so
+   that a hit run that is wrong on its own stops before the cold run is paid for.
+3. ``record-cold``: the cold run shaped like the hit run (``--mode cold --exact-split
+   --split-like hit.h5``; with ``--exact`` one block per step), ``cold.h5`` (``cold.h5.log``).
+4. ``compare``: ``statediff compare hit.h5 cold.h5``: ``compare.json`` (what
+   ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes).
+
+Each run is a ``statediff record`` subprocess (a fresh engine each, as ``ablate`` does;
+its progress bar and its error line reach this process's stderr). Every check that
+needs no engine (the options of both runs, the conversation against the model, the
+output directory) runs first, in this process (``prepare``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from statediff.errors import StatediffError
+from statediff_hooks.recording import RecordingOptions
+
+#: The steps of ``run_check``, in order (see the module docstring).
+STEPS = ("record-hit", "audit-hit", "record-cold", "compare")
+
+#: What ``run_check`` writes in the output directory.
+FILES = ("hit.h5", "cold.h5", "compare.json", "report.md", "hit.h5.log", "cold.h5.log")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckOptions:
+    """What ``statediff check`` was asked.
+
+    Attributes:
+        output_dir: directory that receives ``FILES``.
+        base: the recording options both runs share (``output``/``mode``/exact fields are
+            set per run by ``run_options``); its ``fault`` plants in the hit run only.
+        exact: one block per step in both runs instead of the split form.
+        overwrite: replace what an existing ``output_dir`` holds.
+        timeout: seconds one ``statediff record`` subprocess may run (None: no limit).
+    """
+
+    output_dir: str
+    base: RecordingOptions
+    exact: bool = False
+    overwrite: bool = False
+    timeout: float | None = None
+
+    def path(self, name: str) -> str:
+        """``output_dir/name``."""
+        return str(Path(self.output_dir) / name)
+
+    def run_options(self, mode: str) -> RecordingOptions:
+        """The ``RecordingOptions`` of the hit or cold run (always ``overwrite``: the
+        directory was checked as a whole)."""
+        split = not self.exact
+        return dataclasses.replace(
+            self.base, output=self.path(f"{mode}.h5"), mode=mode, exact=self.exact, exact_split=split,
+            split_like=self.path("hit.h5") if split and mode == "cold" else None,
+            fault=self.base.fault if mode == "hit" else "", overwrite=True, record_argv=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """A finished check.
+
+    Attributes:
+        options: what was asked.
+        compare: the ``statediff.diff.result.CompareResult`` of hit.h5 against cold.h5.
+        record_lines: what each ``statediff record`` printed, hit run first.
+    """
+
+    options: CheckOptions
+    compare: Any
+    record_lines: tuple[str, ...]
+
+    @property
+    def exit_code(self) -> int:
+        """``statediff compare``'s: 0 same, 1 divergence."""
+        return self.compare.exit_code
+
+    def lines(self) -> list[str]:
+        """What each recording said first (``recorded 5 requests ...``), the verdict (compare's
+        text report), then where each file went."""
+        d = self.options.output_dir
+        recorded = [line for line in self.record_lines if line.startswith("recorded ")]
+        return [*recorded, self.compare.to_text(), "",
+                f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), compare.json, report.md"]
+
+
+def check_output_dir(output_dir: str, overwrite: bool) -> None:
+    """Refuse an output directory that is a file, holds something (without ``overwrite``) or
+    cannot be created.
+
+    Raises:
+        StatediffError: one line naming the directory.
+    """
+    p = Path(output_dir)
+    if p.exists() and not p.is_dir():
+        raise StatediffError(f"-o {output_dir}: exists and is not a directory")
+    if p.is_dir() and any(p.iterdir()) and not overwrite:
+        raise StatediffError(f"-o {output_dir}: the directory is not empty (give --overwrite to replace "
+                             "its check files)")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not p.exists() and not (parent.is_dir() and os.access(parent, os.W_OK)):
+        raise StatediffError(f"-o {output_dir}: cannot create it (its parent {parent} is missing or not "
+                             "writable)")
+
+
+def prepare(options: CheckOptions) -> None:
+    """Every check that needs no engine: both runs' options, the conversation against the
+    model (``recording.read_inputs``), the output directory; then creates the directory and
+    removes the check files an earlier check left there (``overwrite``).
+
+    Raises:
+        StatediffError: one line, before any engine starts.
+    """
+    from statediff_hooks.recording import check_options, engine_arguments, read_inputs
+
+    o = options.base
+    if o.engine != "vllm":
+        raise StatediffError("check runs on vLLM (the split form is vLLM-only); record transformers runs "
+                             "with 'statediff record --engine transformers'")
+    check_output_dir(options.output_dir, options.overwrite)
+    out = Path(options.output_dir)
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
+    try:
+        hit = options.run_options("hit")
+        inputs = read_inputs(hit, check_options(hit)[0])
+        if hit.activations and not hit.enforce_eager:
+            raise StatediffError("--activations needs --enforce-eager: forward hooks never run under torch.compile")
+        engine_arguments(hit, inputs.model_dir, inputs.max_model_len)
+    except BaseException:
+        if created:  # a refusal leaves nothing behind
+            out.rmdir()
+        raise
+    for name in FILES:
+        Path(options.path(name)).unlink(missing_ok=True)
+
+
+def record_in_subprocess(options: RecordingOptions, timeout: float | None) -> tuple[str, ...]:
+    """``statediff record`` with ``options`` in a subprocess (a fresh engine): its stdout
+    lines; its stderr (progress bar, error line) goes to this process's stderr.
+
+    Raises:
+        RecordFailed: the recording exited non-zero (it printed its own error line).
+    """
+    from statediff_hooks.cli.record import argv_from_options
+
+    cmd = [sys.executable, "-m", "statediff", "record", *argv_from_options(options)]
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise StatediffError(f"the {options.mode} run took longer than {timeout:g} s (engine log: "
+                             f"{options.output}.log)") from None
+    if r.returncode != 0:
+        raise RecordFailed(r.returncode)
+    return tuple(r.stdout.splitlines())
+
+
+class RecordFailed(Exception):
+    """A ``statediff record`` subprocess failed after printing its own error line (exit code in ``code``)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"statediff record exited {code}")
+        self.code = code
+
+
+def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None,
+              progress: bool = False) -> CheckResult:
+    """Record the hit and the cold run, compare them, write ``compare.json`` and ``report.md``.
+
+    Args:
+        say: receives one progress line per step (``[1/3] hit run ...``).
+        progress: a progress bar while comparing.
+    Returns:
+        the ``CheckResult`` (its ``exit_code`` is compare's).
+    Raises:
+        StatediffError: bad input (before any engine starts) or a comparison that cannot be made.
+        RecordFailed: a recording failed (its error line is printed already).
+    """
+    prepare(options)
+    lines: list[str] = []
+    form = "one block per step" if options.exact else "the engine's own chunking"
+    for step in STEPS:
+        if step == "record-hit":
+            say(f"[1/3] hit run ({form}) -> {options.path('hit.h5')}")
+            lines += record_in_subprocess(options.run_options("hit"), options.timeout)
+        elif step == "audit-hit":
+            pass  # the seam for 'statediff audit hit.h5' (one-run audit), not built yet
+        elif step == "record-cold":
+            shape = "one block per step" if options.exact else "split like the hit run"
+            say(f"[2/3] cold run ({shape}) -> {options.path('cold.h5')}")
+            lines += record_in_subprocess(options.run_options("cold"), options.timeout)
+        elif step == "compare":
+            say(f"[3/3] compare -> {options.path('compare.json')}, {options.path('report.md')}")
+            result = compare_and_write(options, progress)
+    return CheckResult(options, result, tuple(lines))
+
+
+def compare_and_write(options: CheckOptions, progress: bool) -> Any:
+    """``compare`` hit.h5 against cold.h5 with the default policy; write ``compare.json`` and
+    ``report.md``; the ``CompareResult``.
+
+    Raises:
+        StatediffError: as ``statediff compare``; a file that cannot be written.
+    """
+    from statediff.cli.shared import compare_pair
+    from statediff.incident.record import build_report
+    from statediff.incident.reproduce import CompareOptions
+
+    cmp_options = CompareOptions()
+    result = compare_pair(Path(options.path("hit.h5")), Path(options.path("cold.h5")), cmp_options,
+                          progress=progress)
+    report = build_report(result, cmp_options)
+    try:
+        Path(options.path("compare.json")).write_text(json.dumps(result.to_json(), indent=2) + "\n",
+                                                      encoding="utf-8")
+        Path(options.path("report.md")).write_text(report.to_markdown(), encoding="utf-8")
+    except OSError as e:
+        raise StatediffError(f"cannot write into {options.output_dir}: {e.strerror or e}") from None
+    return result

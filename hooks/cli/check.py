@@ -1,0 +1,58 @@
+"""``statediff check``: the click command over ``statediff_hooks.check.run_check``.
+
+Registered in the ``statediff.commands`` entry-point group (pyproject.toml). Its
+recording options are ``statediff record``'s own parameters (the same names, help
+and defaults), less those ``check`` sets per run (``NOT_FROM_RECORD``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from statediff_hooks.check import CheckOptions, RecordFailed, run_check
+from statediff_hooks.cli.record import engine_side_needed, options_from_params, record
+
+#: ``record`` parameters ``check`` sets itself (per run) or does not take.
+NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "split_like", "focus",
+                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks")
+
+
+@click.command("check", short_help="Record a hit run and a cold run, then compare them.")
+@click.argument("conversation", required=False, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output_dir", required=True, type=click.Path(file_okay=False), metavar="DIR",
+              help="Directory to write hit.h5, cold.h5 (engine logs *.h5.log), compare.json and report.md.")
+@click.option("--exact", is_flag=True,
+              help="One block per step in both runs, instead of the split form (the hit run with the "
+                   "engine's own chunking, the cold run split where the hit run's state was computed).")
+@click.option("--overwrite", is_flag=True, help="Replace the check files of an existing DIR.")
+@click.pass_context
+def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, **params: Any) -> None:
+    """Replay CONVERSATION (JSONL; default: the built-in 5-request agent
+    conversation) twice on fresh vLLM engines and compare: the hit run with the
+    engine's own chunking (as deployed), the cold run shaped like it (the split
+    form of exact replay), so a fault-free pair is bit-identical and the first
+    differing bit is the bug.
+
+    Writes DIR/hit.h5, DIR/cold.h5, DIR/compare.json (what 'statediff compare
+    --json' prints) and DIR/report.md (what 'statediff report' writes), and
+    prints the verdict. --fault plants in the hit run only. Every option, the
+    conversation and the model are checked before the first engine starts.
+
+    Exit codes are those of 'statediff compare': 0 same, 1 divergence, 2 error.
+    """
+    base = options_from_params({**params, "output": "", "mode": "hit"})
+    options = CheckOptions(output_dir=output_dir, base=base, exact=exact, overwrite=overwrite)
+    say = (lambda s: click.echo(s, err=True))
+    try:
+        with engine_side_needed("check"):
+            result = run_check(options, say=say, progress=sys.stderr.isatty())
+    except RecordFailed:  # the recording printed its one error line
+        ctx.exit(2)
+    click.echo("\n".join(result.lines()))
+    ctx.exit(result.exit_code)
+
+
+check.params.extend(p for p in record.params if p.name not in NOT_FROM_RECORD)

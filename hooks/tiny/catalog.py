@@ -1,0 +1,89 @@
+"""The built-in tiny models by name: where each lives, built on first use.
+
+``statediff record --model tiny`` (and ``tiny-dense``, ``tiny-eagle3`` in a
+``--speculative-config``, ``--drafter dflash``) and ``statediff
+build-tiny-model`` name these; the builders are ``tiny.model`` (targets) and
+``tiny.draft`` (drafters). They live in ``$STATEDIFF_HOME`` (default
+``~/.cache/statediff``), one directory per kind and seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from statediff.errors import StatediffError
+
+#: ``--model`` names of the built-in models and the kind each builds.
+TINY = "tiny"
+TINY_DENSE = "tiny-dense"
+TINY_EAGLE3 = "tiny-eagle3"
+TINY_MTP = "tiny-mtp"  # the tiny hybrid with an MTP head whose drafts are accepted (tiny/mtp.py)
+KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp"}
+_DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
+         "mtp": "tiny-qwen3next-mtp"}
+
+
+def home() -> Path:
+    """Where built-in models are cached: ``$STATEDIFF_HOME``, else ``~/.cache/statediff``."""
+    return Path(os.environ.get("STATEDIFF_HOME") or Path.home() / ".cache" / "statediff")
+
+
+def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
+    """Where a built-in tiny model lives.
+
+    ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
+    "mtp" (the hybrid with an MTP head whose drafts are accepted).
+    """
+    return home() / f"{_DIRS[kind]}-seed{seed}"
+
+
+def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, target: str | None = None,
+               overwrite: bool = False) -> Path:
+    """Build (or reuse) a built-in tiny model of ``kind``; the eagle3 drafter's target
+    defaults to the built-in dense model.
+
+    Raises:
+        FileExistsError: ``out`` is non-empty and holds something else.
+        FileNotFoundError: an eagle3 ``target`` without ``config.json``.
+        ValueError: a bad target for the drafter.
+    """
+    from statediff_hooks.tiny.model import build_tiny_dense_model, build_tiny_model
+
+    out = out or tiny_model_dir(seed, kind)
+    if kind == "hybrid":
+        return build_tiny_model(out, seed=seed, overwrite=overwrite)
+    if kind == "dense":
+        return build_tiny_dense_model(out, seed, overwrite=overwrite)
+    if kind == "mtp":
+        from statediff_hooks.tiny.mtp import build_tiny_mtp_model
+
+        return build_tiny_mtp_model(out, seed=seed, overwrite=overwrite)
+    from statediff_hooks.tiny.draft import build_tiny_eagle3
+
+    return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)
+
+
+def resolve_model(model: str, seed: int = 0) -> str:
+    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` / ``tiny-mtp`` -> the built-in model's directory
+    (built on first use); anything else unchanged."""
+    kind = KINDS.get(model)
+    return model if kind is None else str(build_tiny(kind, seed=seed))
+
+
+def tiny_dflash_for(model_dir: str, seed: int = 0) -> Path:
+    """The tiny random DFlash drafter of a local target directory, built on first use
+    (``--drafter dflash``), named by the target's ``config.json`` digest and the seed.
+
+    Raises:
+        StatediffError: ``model_dir`` is not a local model directory.
+    """
+    from statediff_hooks.tiny.draft import build_tiny_dflash
+
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        raise StatediffError(f"--drafter dflash builds a tiny drafter from the target's config.json, "
+                             f"and {model_dir} is not a local model directory")
+    out = home() / f"tiny-dflash-{hashlib.sha256(cfg.read_bytes()).hexdigest()[:12]}-seed{seed}"
+    return build_tiny_dflash(out, model_dir, seed)

@@ -1,0 +1,151 @@
+"""The audit's records: one ``Finding`` per violated restore, and the ``AuditResult`` of a trace."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from statediff.jsonutil import jsonable
+from statediff.trace.schema import KINDS
+
+#: Sort rank of a finding that is not about one tensor (a block table row), after every tensor kind
+#: at the same (request, position, layer).
+_TABLE_RANK = len(KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One restore that does not read what the run saved.
+
+    Attributes:
+        check: "state" (a resumed GDN conv/SSM state against the checkpoint saved at
+            that boundary), "kv" (a K/V block read through the runner's block table
+            against what was written into the block the scheduler allocated),
+            "block_table" (the runner's row against the scheduler's allocation),
+            "block_owner" (the block restored from last held another prefix), "initial" (a
+            first chunk without a hit that reads its slot, which is not zeros) or
+            "first_chunk" (a hit whose first chunk the kernel treats as having no prior state) or
+            "group_hit" (KV-cache groups whose final hit lengths disagree; kind "group_hit").
+        request, position, layer, kind, module: the restored tensor (position in tokens:
+            the state's boundary, or the end of the K/V block's token range);
+            ``kind`` "block_table" for a block-table finding.
+        step: the engine step of the restore (-1: unknown).
+        what: one line: what differed.
+        expected: where the expected value came from: ``{"request", "position",
+            "token_start", "step", "block"}`` of the write, or None.
+        diagnosis: what the restored value matches instead (one line), or None.
+    """
+
+    check: str
+    request: int
+    position: int
+    layer: int
+    kind: str
+    module: str
+    step: int
+    what: str
+    expected: dict[str, Any] | None = None
+    diagnosis: str | None = None
+
+    @property
+    def order(self) -> tuple:
+        rank = KINDS.index(self.kind) if self.kind in KINDS else _TABLE_RANK
+        return (self.request, self.position, self.layer, rank)
+
+    def where(self) -> str:
+        mod = f" ({self.module})" if self.module else ""
+        return f"request {self.request} position {self.position} layer {self.layer}{mod} {self.kind}"
+
+    def text(self) -> str:
+        out = f"{self.where()}: {self.what}"
+        if self.diagnosis:
+            out += f"\n    {self.diagnosis}"
+        return out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditResult:
+    """The audit of one trace: every restore checked against what the same run saved.
+
+    Attributes:
+        path: the trace audited.
+        findings: every violation, in causal order (request, position, layer, kind).
+        checked: what was checked, per check: restored tensors ("state", "kv"), block table rows
+            ("block_table"), first chunks per GDN layer ("first_chunk"), requests' group hits ("group_hit").
+        unchecked: restored tensors whose saved value the trace does not hold, with why
+            (first few; ``unchecked_count`` counts them all).
+        unchecked_count: how many restored tensors could not be checked.
+        hits: requests that resumed from a prefix-cache hit.
+        requests: requests in the trace.
+        incomplete: why the trace is partial ("" when complete).
+    """
+
+    path: str
+    findings: tuple[Finding, ...]
+    checked: dict[str, int]
+    unchecked: tuple[str, ...]
+    unchecked_count: int
+    hits: int
+    requests: int
+    incomplete: str = ""
+
+    @property
+    def first(self) -> Finding | None:
+        """The first finding in causal order, or None."""
+        return self.findings[0] if self.findings else None
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a restore does not read what was saved, else 0 (errors raise before a result)."""
+        return 1 if self.findings else 0
+
+    def headline(self) -> str:
+        n = self.checked.get("state", 0) + self.checked.get("kv", 0)
+        if self.findings:
+            return (f"RESTORE VIOLATION: first at {self.first.where()} "
+                    f"({len(self.findings)} finding(s))")
+        if not self.hits:
+            return "CLEAN: no request resumed from a prefix-cache hit (nothing restored to audit)"
+        return f"CLEAN: {n} restored tensor(s) of {self.hits} hit(s) read exactly what the run saved"
+
+    def to_text(self) -> str:
+        out = [f"INCOMPLETE: {self.incomplete}"] if self.incomplete else []
+        out += [self.headline(), f"trace: {self.path}",
+                f"requests: {self.requests}, hits: {self.hits}; checked: "
+                + ", ".join(f"{k} {v}" for k, v in self.checked.items())]
+        if self.unchecked_count:
+            out.append(f"not checkable: {self.unchecked_count} restored tensor(s) "
+                       "(the trace holds no write of the value they restore)")
+            out += [f"  {u}" for u in self.unchecked]
+        for i, f in enumerate(self.findings[:20], 1):
+            exp = f.expected
+            src = (f"\n    expected: written by request {exp['request']} at step {exp['step']} "
+                   f"into block {exp['block']}" if exp else "")
+            out.append(f"finding {i} ({f.check}): {f.text()}{src}")
+        if len(self.findings) > 20:
+            out.append(f"... {len(self.findings) - 20} more finding(s) (--json lists them all)")
+        return "\n".join(out)
+
+    def to_json(self) -> dict:
+        first = self.first
+        return jsonable({
+            "statediff": "audit",
+            "exit_code": self.exit_code,
+            "verdict": "violation" if self.findings else "clean",
+            "headline": self.headline(),
+            "trace": self.path,
+            "first": None if first is None else {
+                "request": first.request, "position": first.position, "layer": first.layer,
+                "kind": first.kind, "module": first.module, "check": first.check, "what": first.what,
+                "diagnosis": first.diagnosis, "expected": first.expected},
+            "findings": [f.to_json() for f in self.findings],
+            "checked": dict(self.checked),
+            "unchecked": list(self.unchecked),
+            "unchecked_count": self.unchecked_count,
+            "hits": self.hits,
+            "requests": self.requests,
+            "incomplete": self.incomplete,
+        })

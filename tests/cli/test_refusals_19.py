@@ -1,0 +1,98 @@
+"""Offline refusals of issue 19: outputs kept without --overwrite, the same file twice,
+an option calibrate does not have, warnings on stderr."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from statediff.cli import cli
+from synth import write_trace
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("refusals")
+    return {"cold": write_trace(d / "cold.h5", "cold"), "cold_b": write_trace(d / "cold-b.h5", "cold", noise_seed=1),
+            "hit": write_trace(d / "hit.h5", "hit"),
+            "other": write_trace(d / "other.h5", "cold", architecture="Qwen3_5ForCausalLM"), "dir": d}
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("command", ["calibrate", "report"])
+def test_an_existing_output_needs_overwrite(traces, tmp_path, command):
+    out = tmp_path / "out"
+    out.write_text("earlier")
+    a, b = (traces["cold"], traces["cold_b"]) if command == "calibrate" else (traces["hit"], traces["cold"])
+    r = run(command, a, b, "-o", out)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {out} already exists (use --overwrite to replace it)"])
+    assert out.read_text() == "earlier"
+    r = run(command, a, b, "-o", out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert out.read_text() != "earlier"
+
+
+def test_calibrate_refuses_the_same_file_twice(traces, tmp_path):
+    r = run("calibrate", traces["cold"], traces["cold"], "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {traces['cold']} and {traces['cold']} are the same file: give two cold runs "
+        "recorded apart"])
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_suggests_nothing_it_does_not_have(traces, tmp_path):
+    r = run("calibrate", traces["cold"], traces["other"], "-o", tmp_path / "n.json")
+    assert r.exit_code == 2
+    (line,) = r.stderr.splitlines()
+    assert line.endswith("different model or config (calibrate two cold runs of the same model and config)")
+    assert "--allow-engine-mismatch" not in line
+
+
+def test_calibrate_warns_on_stderr(traces, tmp_path):
+    r = run("calibrate", traces["hit"], traces["cold"], "-o", tmp_path / "n.json")
+    assert r.exit_code == 0
+    assert f"statediff: warning: {traces['hit']} is a 'hit' run, not a cold run" in r.stderr.splitlines()
+    assert "warning" not in r.stdout
+
+
+def test_inspect_says_what_an_empty_field_means_where_the_run_says_it(tmp_path):
+    hit = write_trace(tmp_path / "h.h5", "hit", speculative_method="none", num_speculative_tokens=None)
+    out = run("inspect", hit).stdout.splitlines()
+    assert "  cold_policy            none (a hit run: normal prefix caching)" in out
+    assert "  num_speculative_tokens 0 (no drafter)" in out
+    assert "  fault                  none (no planted fault)" in out
+    assert "  quantization           unknown" in out  # not said by the run: stays unknown
+
+
+def test_the_hit_summary_of_a_cold_run_expects_no_hit():
+    from statediff.replay.hits import HitAccount, summary_lines
+
+    fields = {f: None for f in HitAccount.__dataclass_fields__}
+    a = HitAccount(**(fields | {"request": 0, "prompt_len": 10, "measured": 0, "expected": 0}))
+    assert summary_lines([a], "cold")[-1] == "  no request hit the prefix cache, as expected"
+    assert summary_lines([a], "hit")[-1] == "  every request resumed from the hit expected"
+
+
+@pytest.mark.parametrize("where", ["/sys", "/proc"])
+def test_extract_into_a_pseudo_file_system_is_one_line_before_any_work(traces, where):
+    out = f"{where}/bundle.zip"
+    r = run("extract", traces["hit"], traces["cold"], "-o", out)
+    assert r.exit_code == 2
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"statediff: error: cannot write bundle {out}: directory {where} is not writable (")
+    assert "unexpected" not in line
+
+
+def test_a_full_stdout_is_one_line(traces):
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "statediff", "inspect", str(traces["hit"])], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        "statediff: error: cannot write the output: No space left on device"])

@@ -1,0 +1,163 @@
+"""``statediff audit``: restores checked against what the same run saved, from digests alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from audit_synth import write_hit_run
+from statediff.audit import audit_trace
+from statediff.cli import cli
+
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+
+
+@pytest.mark.parametrize("keep", ["none", "all", None])
+def test_a_fault_free_run_audits_clean(tmp_path, keep):
+    r = audit_trace(write_hit_run(tmp_path / "hit.h5", keep=keep))
+    assert r.exit_code == 0 and r.findings == ()
+    assert r.hits == 2 and r.requests == 4
+    # request 1: 2 states + 2 K/V blocks x (K, V); request 3: 2 states + 3 blocks x 2
+    assert r.checked["state"] == 4 and r.checked["kv"] == 10 and r.unchecked_count == 0
+    assert r.checked["block_table"] == (4 if keep is not None else 0)
+    assert r.checked["first_chunk"] == (4 if keep is not None else 0)
+    assert r.checked["group_hit"] == (2 if keep is not None else 0)
+    assert r.headline().startswith("CLEAN: 14 restored tensor(s) of 2 hit(s)")
+
+
+def _first(tmp_path, fault, keep="none"):
+    r = audit_trace(write_hit_run(tmp_path / "hit.h5", fault=fault, keep=keep))
+    assert r.exit_code == 1
+    f = r.first
+    return r, f, (f.check, f.request, f.position, f.layer, f.kind)
+
+
+def test_ssm_wrong_block_names_the_checkpoint_one_block_earlier(tmp_path):
+    r, f, key = _first(tmp_path, "ssm-wrong-block")
+    assert key == ("state", 3, 48, 0, "gdn.ssm_state")
+    assert len(r.findings) == 1
+    assert f.expected == {"request": 1, "position": 48, "token_start": 48, "step": 5, "block": 4}
+    assert f.diagnosis == ("equals the checkpoint saved at position 32 of the same prefix (1 block(s) earlier), "
+                           "written by request 0 at step 0 into block 2")
+
+
+def test_conv_zero_is_all_zeros(tmp_path):
+    r, f, key = _first(tmp_path, "conv-zero")
+    assert key == ("state", 3, 48, 0, "gdn.conv_state")
+    assert f.diagnosis.startswith("all zeros")
+
+
+def test_ssm_bf16_is_the_saved_state_rounded(tmp_path):
+    r, f, key = _first(tmp_path, "ssm-bf16")
+    assert key == ("state", 3, 48, 0, "gdn.ssm_state")
+    assert f.diagnosis == "equals the saved value rounded to bfloat16"
+
+
+def test_ssm_nan_counts_the_nan(tmp_path):
+    r, f, key = _first(tmp_path, "ssm-nan")
+    assert key == ("state", 3, 48, 0, "gdn.ssm_state")
+    assert f.diagnosis == "1 NaN/Inf element(s), where the saved value has none"
+
+
+def test_kv_stale_names_the_block_and_the_table(tmp_path):
+    r, f, key = _first(tmp_path, "kv-stale")
+    assert key == ("kv", 3, 48, 1, "attn.k")
+    assert f.expected == {"request": 1, "position": 48, "token_start": 32, "step": 5, "block": 13}
+    assert f.what == ("K/V read through the runner's block table (block 11) differ from what was written "
+                      "into block 13 for tokens [32, 48)")
+    assert f.diagnosis == ("equals the K/V written for tokens [16, 32) of the same prefix (1 block(s) earlier), "
+                           "written by request 0 at step 0 into block 11")
+    assert [(g.check, g.kind) for g in r.findings] == [("kv", "attn.k"), ("kv", "attn.v"),
+                                                        ("block_table", "block_table")]
+    assert r.findings[-1].what == ("KV-cache group 1, logical block 2: the runner's block table maps physical "
+                                   "block 11, the scheduler allocated 13")
+
+
+def test_kv_swap_first_at_the_earlier_block(tmp_path):
+    r, f, key = _first(tmp_path, "kv-swap")
+    assert key == ("kv", 3, 32, 1, "attn.k")
+    assert "tokens [32, 48) of the same prefix (1 block(s) later)" in f.diagnosis
+    table = [g for g in r.findings if g.check == "block_table"]
+    assert len(table) == 1 and table[0].position == 32 and "(2 logical blocks of this row differ)" in table[0].what
+
+
+def test_another_requests_state(tmp_path):
+    r, f, key = _first(tmp_path, "other-request")
+    assert key == ("state", 3, 48, 0, "gdn.conv_state")
+    assert f.diagnosis == ("equals request 2's state at position 32 (another prefix), written at step 7 "
+                           "into block 20")
+
+
+def test_a_block_whose_content_was_replaced_before_the_hit(tmp_path):
+    r, f, key = _first(tmp_path, "reused-block")
+    assert key == ("block_owner", 3, 48, 0, "gdn.conv_state")
+    assert f.what == ("the scheduler restored it from block 4, whose last write (request 2, position 32, "
+                      "step 7) holds another token prefix")
+    assert f.expected["request"] == 2
+
+
+def test_without_block_tables_the_prefix_finds_the_saved_state(tmp_path):
+    r, f, key = _first(tmp_path, "ssm-wrong-block", keep=None)
+    assert key == ("state", 3, 48, 0, "gdn.ssm_state")
+    assert f.expected["request"] == 1 and "position 32 of the same prefix" in f.diagnosis
+
+
+def test_reference_traces():
+    assert audit_trace(TRACES / "hit.h5").exit_code == 0
+    cold = audit_trace(TRACES / "cold.h5")
+    assert cold.exit_code == 0 and cold.hits == 0 and "nothing restored" in cold.headline()
+    r = audit_trace(TRACES / "hit-ssm-bf16.h5")
+    assert (r.first.request, r.first.position, r.first.layer, r.first.kind) == (1, 448, 2, "gdn.ssm_state")
+    assert r.first.expected == {"request": 0, "position": 448, "token_start": 448, "step": 0, "block": 3}
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    runner = CliRunner()
+    clean = write_hit_run(tmp_path / "clean.h5")
+    bad = write_hit_run(tmp_path / "bad.h5", fault="conv-zero")
+    assert runner.invoke(cli, ["audit", str(clean)]).exit_code == 0
+    res = runner.invoke(cli, ["audit", str(bad), "--json"])
+    assert res.exit_code == 1
+    doc = json.loads(res.output)
+    assert doc["first"]["request"] == 3 and doc["first"]["position"] == 48
+    assert doc["first"]["layer"] == 0 and doc["first"]["kind"] == "gdn.conv_state"
+    assert doc["verdict"] == "violation" and doc["exit_code"] == 1
+    missing = runner.invoke(cli, ["audit", str(tmp_path / "nope.h5")])
+    assert missing.exit_code == 2 and missing.output.strip().endswith("nope.h5 does not exist")
+
+
+def test_recycled_slot_is_named_at_position_zero(tmp_path):
+    r, f, key = _first(tmp_path, "recycled-slot")
+    assert key == ("initial", 2, 0, 0, "gdn.conv_state")
+    assert [(g.check, g.kind) for g in r.findings] == [("initial", "gdn.conv_state"), ("initial", "gdn.ssm_state")]
+    assert f.what == ("a request without a prefix-cache hit has its first chunk treated as a decode, so the kernel "
+                      "reads state slot 20, which is not zeros")
+    assert f.diagnosis == "recycled slot: holds request 0's state at position 32 (written at step 0 into block 2)"
+
+
+def test_a_hit_whose_first_chunk_ignores_the_restored_state(tmp_path):
+    r, f, key = _first(tmp_path, "hit-ignores-state")
+    assert key == ("first_chunk", 3, 48, 0, "gdn.conv_state") and len(r.findings) == 1
+    assert "kernel ignores the state restored into slot 6" in f.what
+
+
+def test_a_group_shortfall_is_named_with_both_lengths(tmp_path):
+    r, f, key = _first(tmp_path, "group-shortfall")
+    assert key == ("group_hit", 3, 48, 1, "group_hit") and len(r.findings) == 1
+    assert f.what == ("KV-cache groups disagree on the final prefix-cache hit: group 1 covers 32 tokens, group 0 "
+                      "covers 48 (the engine reported 48); tokens [32, 48) are neither cached in the shorter group "
+                      "nor recomputed")
+
+
+@pytest.mark.parametrize("keep", ["none", None])
+def test_a_restore_whose_saved_value_was_not_recorded_is_not_checkable(tmp_path, keep):
+    r = audit_trace(write_hit_run(tmp_path / "hit.h5", keep=keep, omit_checkpoint=True))
+    assert r.exit_code == 0 and r.findings == ()
+    assert r.unchecked_count == 2 and r.checked["state"] == 2
+    why = ("nothing recorded was written into block 4 before step 10" if keep else
+           "no state of this prefix was recorded as saved")
+    assert r.unchecked[0] == f"request 3 position 48 layer 0 gdn.conv_state: {why}"
+    assert "not checkable: 2 restored tensor(s)" in r.to_text()
