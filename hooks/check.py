@@ -6,13 +6,17 @@ The steps, in order (``STEPS``; each names what it writes in the output director
 1. ``record-hit``: the hit run with the engine's own chunking (``record --mode hit
    --exact-split``; with ``--exact`` one block per step instead), ``hit.h5`` (engine
    log ``hit.h5.log``).
-2. ``audit-hit``: reserved for the one-run audit of the hit trace (``statediff audit``,
-   built elsewhere); a no-op here until it lands. It goes between the two runs so
-   that a hit run that is wrong on its own stops before the cold run is paid for.
+2. ``audit-hit``: the one-run audit of the hit trace (``statediff audit hit.h5``,
+   ``statediff.audit.audit_trace``): every restore against what the same run saved,
+   ``audit.json`` (what ``audit --json`` prints). A finding is a divergence on its own
+   (exit 1, named before compare's verdict, and in ``report.md``); the cold run still
+   runs, since compare judges what the audit cannot see (state computed wrong before
+   it was saved). A clean audit does not end the check.
 3. ``record-cold``: the cold run shaped like the hit run (``--mode cold --exact-split
    --split-like hit.h5``; with ``--exact`` one block per step), ``cold.h5`` (``cold.h5.log``).
 4. ``compare``: ``statediff compare hit.h5 cold.h5``: ``compare.json`` (what
-   ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes).
+   ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes, with
+   the audit's section after its fields).
 
 Each run is a ``statediff record`` subprocess (a fresh engine each, as ``ablate`` does;
 its progress bar and its error line reach this process's stderr). Every check that
@@ -38,7 +42,10 @@ from statediff_hooks.recording import RecordingOptions
 STEPS = ("record-hit", "audit-hit", "record-cold", "compare")
 
 #: What ``run_check`` writes in the output directory.
-FILES = ("hit.h5", "cold.h5", "compare.json", "report.md", "hit.h5.log", "cold.h5.log")
+FILES = ("hit.h5", "cold.h5", "audit.json", "compare.json", "report.md", "hit.h5.log", "cold.h5.log")
+
+#: Audit findings ``CheckResult.lines`` names (``audit.json`` lists them all).
+AUDIT_FINDINGS_SHOWN = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,24 +89,40 @@ class CheckResult:
         options: what was asked.
         compare: the ``statediff.diff.result.CompareResult`` of hit.h5 against cold.h5.
         record_lines: what each ``statediff record`` printed, hit run first.
+        audit: the ``statediff.audit.AuditResult`` of hit.h5 alone.
     """
 
     options: CheckOptions
     compare: Any
     record_lines: tuple[str, ...]
+    audit: Any
 
     @property
     def exit_code(self) -> int:
-        """``statediff compare``'s: 0 same, 1 divergence."""
-        return self.compare.exit_code
+        """0 when the audit is clean and compare finds no divergence; 1 when either finds one."""
+        return max(self.audit.exit_code, self.compare.exit_code)
 
     def lines(self) -> list[str]:
-        """What each recording said first (``recorded 5 requests ...``), the verdict (compare's
-        text report), then where each file went."""
+        """What each recording said first (``recorded 5 requests ...``), the audit of the hit run
+        (``audit_lines``), compare's text report, then where each file went."""
         d = self.options.output_dir
         recorded = [line for line in self.record_lines if line.startswith("recorded ")]
-        return [*recorded, self.compare.to_text(), "",
-                f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), compare.json, report.md"]
+        return [*recorded, *audit_lines(self.audit), self.compare.to_text(), "",
+                f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"]
+
+
+def audit_lines(audit: Any, limit: int = AUDIT_FINDINGS_SHOWN) -> list[str]:
+    """``audit of the hit run: CLEAN: ...`` or ``... RESTORE VIOLATION: first at ...`` and its first
+    ``limit`` findings (request, position, layer, tensor; what the restored value matches; who
+    wrote the expected value), indented."""
+    out = [f"audit of the hit run: {audit.headline()}"]
+    if audit.incomplete:
+        out.append(f"  incomplete: {audit.incomplete}")
+    for f in audit.findings[:limit]:
+        out += [f"  {line}" for line in f"({f.check}) {f.report_text()}".splitlines()]
+    if len(audit.findings) > limit:
+        out.append(f"  ... {len(audit.findings) - limit} more finding(s) in audit.json")
+    return out
 
 
 def check_output_dir(output_dir: str, overwrite: bool) -> None:
@@ -183,13 +206,14 @@ class RecordFailed(Exception):
 
 def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None,
               progress: bool = False) -> CheckResult:
-    """Record the hit and the cold run, compare them, write ``compare.json`` and ``report.md``.
+    """Record the hit run, audit it, record the cold run, compare them; write ``audit.json``,
+    ``compare.json`` and ``report.md``.
 
     Args:
-        say: receives one progress line per step (``[1/3] hit run ...``).
+        say: receives one progress line per step (``[1/4] hit run ...``).
         progress: a progress bar while comparing.
     Returns:
-        the ``CheckResult`` (its ``exit_code`` is compare's).
+        the ``CheckResult`` (exit code 1 when the audit or compare finds a divergence).
     Raises:
         StatediffError: bad input (before any engine starts) or a comparison that cannot be made.
         RecordFailed: a recording failed (its error line is printed already).
@@ -199,23 +223,56 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None
     form = "one block per step" if options.exact else "the engine's own chunking"
     for step in STEPS:
         if step == "record-hit":
-            say(f"[1/3] hit run ({form}) -> {options.path('hit.h5')}")
+            say(f"[1/4] hit run ({form}) -> {options.path('hit.h5')}")
             lines += record_in_subprocess(options.run_options("hit"), options.timeout)
         elif step == "audit-hit":
-            pass  # the seam for 'statediff audit hit.h5' (one-run audit), not built yet
+            say(f"[2/4] audit the hit run -> {options.path('audit.json')}")
+            audit = audit_and_write(options)
         elif step == "record-cold":
             shape = "one block per step" if options.exact else "split like the hit run"
-            say(f"[2/3] cold run ({shape}) -> {options.path('cold.h5')}")
+            say(f"[3/4] cold run ({shape}) -> {options.path('cold.h5')}")
             lines += record_in_subprocess(options.run_options("cold"), options.timeout)
         elif step == "compare":
-            say(f"[3/3] compare -> {options.path('compare.json')}, {options.path('report.md')}")
-            result = compare_and_write(options, progress)
-    return CheckResult(options, result, tuple(lines))
+            say(f"[4/4] compare -> {options.path('compare.json')}, {options.path('report.md')}")
+            result = compare_and_write(options, progress, audit)
+    return CheckResult(options, result, tuple(lines), audit)
 
 
-def compare_and_write(options: CheckOptions, progress: bool) -> Any:
+def audit_and_write(options: CheckOptions) -> Any:
+    """``statediff audit hit.h5``: write ``audit.json``; the ``AuditResult``.
+
+    Raises:
+        StatediffError: the hit trace cannot be read, or ``audit.json`` cannot be written.
+    """
+    from statediff.audit import audit_trace
+
+    audit = audit_trace(options.path("hit.h5"))
+    _write(options, "audit.json", json.dumps(audit.to_json(), indent=2) + "\n")
+    return audit
+
+
+def _write(options: CheckOptions, name: str, text: str) -> None:
+    try:
+        Path(options.path(name)).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise StatediffError(f"cannot write into {options.output_dir}: {e.strerror or e}") from None
+
+
+def audit_markdown(audit: Any) -> list[str]:
+    """The report's audit section: the verdict and every finding (``audit.json`` has the rest)."""
+    out = [f"`statediff audit hit.h5`: **{audit.headline()}**"]
+    if audit.incomplete:
+        out += ["", f"Incomplete trace: {audit.incomplete}"]
+    if audit.findings:
+        out += ["", "```text", *[f"({f.check}) {f.report_text()}" for f in audit.findings[:20]], "```"]
+        if len(audit.findings) > 20:
+            out.append(f"... {len(audit.findings) - 20} more finding(s) in audit.json")
+    return out
+
+
+def compare_and_write(options: CheckOptions, progress: bool, audit: Any = None) -> Any:
     """``compare`` hit.h5 against cold.h5 with the default policy; write ``compare.json`` and
-    ``report.md``; the ``CompareResult``.
+    ``report.md`` (with ``audit``'s section when given); the ``CompareResult``.
 
     Raises:
         StatediffError: as ``statediff compare``; a file that cannot be written.
@@ -228,10 +285,8 @@ def compare_and_write(options: CheckOptions, progress: bool) -> Any:
     result = compare_pair(Path(options.path("hit.h5")), Path(options.path("cold.h5")), cmp_options,
                           progress=progress)
     report = build_report(result, cmp_options)
-    try:
-        Path(options.path("compare.json")).write_text(json.dumps(result.to_json(), indent=2) + "\n",
-                                                      encoding="utf-8")
-        Path(options.path("report.md")).write_text(report.to_markdown(), encoding="utf-8")
-    except OSError as e:
-        raise StatediffError(f"cannot write into {options.output_dir}: {e.strerror or e}") from None
+    if audit is not None:
+        report = dataclasses.replace(report, audit=audit_markdown(audit))
+    _write(options, "compare.json", json.dumps(result.to_json(), indent=2) + "\n")
+    _write(options, "report.md", report.to_markdown())
     return result

@@ -17,13 +17,13 @@ from statediff_hooks.cli.record import engine_side_needed, options_from_params, 
 
 #: ``record`` parameters ``check`` sets itself (per run) or does not take.
 NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "split_like", "focus",
-                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks")
+                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks", "concurrency")
 
 
-@click.command("check", short_help="Record a hit run and a cold run, then compare them.")
+@click.command("check", short_help="Record a hit run, audit it, record a cold run, compare them.")
 @click.argument("conversation", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output_dir", required=True, type=click.Path(file_okay=False), metavar="DIR",
-              help="Directory to write hit.h5, cold.h5 (engine logs *.h5.log), compare.json and report.md.")
+              help="Directory to write hit.h5, cold.h5 (engine logs *.h5.log), audit.json, compare.json and report.md.")
 @click.option("--exact", is_flag=True,
               help="One block per step in both runs, instead of the split form (the hit run with the "
                    "engine's own chunking, the cold run split where the hit run's state was computed).")
@@ -36,12 +36,18 @@ def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, **p
     form of exact replay), so a fault-free pair is bit-identical and the first
     differing bit is the bug.
 
-    Writes DIR/hit.h5, DIR/cold.h5, DIR/compare.json (what 'statediff compare
-    --json' prints) and DIR/report.md (what 'statediff report' writes), and
-    prints the verdict. --fault plants in the hit run only. Every option, the
+    Between the two runs the hit run is audited alone ('statediff audit': every
+    restore against what the same run saved); a finding is a divergence on its
+    own, named first, and the cold run and compare still run.
+
+    Writes DIR/hit.h5, DIR/cold.h5, DIR/audit.json (what 'statediff audit
+    --json' prints), DIR/compare.json (what 'statediff compare --json' prints)
+    and DIR/report.md (what 'statediff report' writes, with the audit), and
+    prints both verdicts. --fault plants in the hit run only. Every option, the
     conversation and the model are checked before the first engine starts.
 
-    Exit codes are those of 'statediff compare': 0 same, 1 divergence, 2 error.
+    Exit codes: 0 the audit is clean and compare finds no divergence, 1 either
+    finds one, 2 error.
     """
     base = options_from_params({**params, "output": "", "mode": "hit"})
     options = CheckOptions(output_dir=output_dir, base=base, exact=exact, overwrite=overwrite)

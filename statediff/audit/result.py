@@ -62,6 +62,13 @@ class Finding:
             out += f"\n    {self.diagnosis}"
         return out
 
+    def report_text(self) -> str:
+        """``text()`` and, when known, who wrote the expected value (one more line)."""
+        exp = self.expected
+        src = (f"\n    expected: written by request {exp['request']} at step {exp['step']} "
+               f"into block {exp['block']}" if exp else "")
+        return f"{self.text()}{src}"
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -121,10 +128,7 @@ class AuditResult:
                        "(the trace holds no write of the value they restore)")
             out += [f"  {u}" for u in self.unchecked]
         for i, f in enumerate(self.findings[:20], 1):
-            exp = f.expected
-            src = (f"\n    expected: written by request {exp['request']} at step {exp['step']} "
-                   f"into block {exp['block']}" if exp else "")
-            out.append(f"finding {i} ({f.check}): {f.text()}{src}")
+            out.append(f"finding {i} ({f.check}): {f.report_text()}")
         if len(self.findings) > 20:
             out.append(f"... {len(self.findings) - 20} more finding(s) (--json lists them all)")
         return "\n".join(out)

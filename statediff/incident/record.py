@@ -58,6 +58,8 @@ class IncidentReport:
         compare_text: ``compare``'s text report (shown folded).
         reproduce: shell lines that reproduce the traces and the comparison.
         bundle: Markdown lines describing a bundle's contents (``extract``), or empty.
+        audit: Markdown lines of the hit run's one-run audit (``statediff check``: shown right
+            after the fields, before the turns), or empty.
         exit_code: that of the comparison: 0 no divergence, 1 divergence.
     """
 
@@ -67,6 +69,7 @@ class IncidentReport:
     compare_text: str
     reproduce: list[str]
     bundle: list[str] = dataclasses.field(default_factory=list)
+    audit: list[str] = dataclasses.field(default_factory=list)
     exit_code: int = 0
 
     def field(self, label: str) -> str:
@@ -79,6 +82,8 @@ class IncidentReport:
     def to_markdown(self) -> str:
         out = [f"# {self.title}", "", "| field | value |", "| --- | --- |"]
         out += [f"| {k} | {_cell(v)} |" for k, v in self.fields]
+        if self.audit:
+            out += ["", "## Audit of the hit run", "", *self.audit]
         sweep = any(t.label is not None for t in self.turns)
         expected = any(t.expected_hit is not None for t in self.turns)  # sweeps, and hit accounting
         out += ["", "## Turns", ""]
@@ -107,7 +112,8 @@ class IncidentReport:
     def to_json(self) -> dict:
         return jsonable({"statediff": "report", "title": self.title, "exit_code": self.exit_code,
                          "fields": dict(self.fields), "turns": [t.to_json() for t in self.turns],
-                         "reproduce": self.reproduce, "bundle": self.bundle})
+                         "reproduce": self.reproduce, "bundle": self.bundle,
+                         **({"audit": self.audit} if self.audit else {})})
 
 
 def _cell(v: str) -> str:

