@@ -108,7 +108,13 @@ class Recorder:
         self.closed = False
         # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
         bs = self._writer.run_field("block_size")
-        self.hits = HitLedger(bs) if isinstance(bs, int) and bs > 0 else None
+        # one ledger per copy of a concurrent replay (run field concurrency N: request i*N + k is copy k's,
+        # each copy with its own cache_salt, so copies never share blocks)
+        self.copies = meta.get("concurrency") if isinstance(meta.get("concurrency"), int) else 1
+        if self.copies > 1 and isinstance(meta.get("effective"), dict):  # what the replay ran, beside the engine's
+            meta["effective"] = {**meta["effective"], "concurrency": self.copies}
+        self._ledgers = ([HitLedger(bs) for _ in range(max(self.copies, 1))]
+                         if isinstance(bs, int) and bs > 0 else None)
         self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
         self.keep = KeepPolicy(config.keep, bs if isinstance(bs, int) else None)
         # vLLM drops the last matched block of a hit for these drafters: the hit run resumes a
@@ -128,23 +134,28 @@ class Recorder:
         idx = len(self.index)
         self.index[engine_id] = idx
         anchors = [fields.get("num_cached_tokens")]
-        if self.hits is not None:
+        hits = self._ledger(idx)
+        if hits is not None:
             for j in sorted(self._hits_running):
                 if self._writer.request_field(j, "finished"):
-                    self.hits.add(j, self._writer.request_field(j, "prompt_token_ids"),
-                                  self._writer.request_field(j, "output_token_ids") or [])
+                    self._ledger(j).add(j, self._writer.request_field(j, "prompt_token_ids"),
+                                        self._writer.request_field(j, "output_token_ids") or [])
                     self._hits_running.discard(j)
-            exp = self.hits.expect(prompt_token_ids)
+            exp = hits.expect(prompt_token_ids)
             fields = {"expected_hit_tokens": exp.tokens, "expected_hit_source": exp.source} | fields
             anchors += [exp.tokens, exp.align]
             if self._drop_block:
-                anchors += [exp.tokens - self.hits.block_size, exp.align - self.hits.block_size]
+                anchors += [exp.tokens - hits.block_size, exp.align - hits.block_size]
         self.keep.begin_request(idx, anchors)
         self._writer.begin_request(idx, engine_id, prompt_token_ids, **fields)
-        if self.hits is not None:
-            self.hits.add(idx, prompt_token_ids)
+        if hits is not None:
+            hits.add(idx, prompt_token_ids)
             self._hits_running.add(idx)
         return idx
+
+    def _ledger(self, idx: int) -> HitLedger | None:
+        """The hit ledger of request ``idx``'s copy (None: the block size is unknown)."""
+        return None if self._ledgers is None else self._ledgers[idx % len(self._ledgers)]
 
     def tensor(self, t: torch.Tensor, *, request: int, position: int, layer: int, kind: str,
                role: str, module: str, token_start: int | None = None, block: int = -1,

@@ -61,6 +61,8 @@ class RecordingOptions:
         keep: which tensors keep their data: hits, all, none or a byte size.
         focus, focus_check: a focused re-record and the earlier trace to check it against.
         max_tokens: output tokens per request of the built-in conversation.
+        concurrency: copies of the conversation replayed side by side (``vllm.replay``: request
+            i of every copy in one batch, each copy with its own ``cache_salt``); 1: one copy.
         sweep_boundaries, sweep_blocks: replay a boundary sweep instead of a conversation.
         drafter: with the transformers engine, a DFlash drafter directory or ``dflash``.
         activations: also record the residual stream (needs ``enforce_eager``).
@@ -97,6 +99,7 @@ class RecordingOptions:
     focus: str | None = None
     focus_check: str | None = None
     max_tokens: int = 16
+    concurrency: int = 1
     sweep_boundaries: bool = False
     sweep_blocks: int = 2
     drafter: str | None = None
@@ -240,6 +243,7 @@ def check_options(options: RecordingOptions) -> tuple[Any, str | None]:
                              "cold run never takes; give it with --mode hit")
     if options.sweep_boundaries and options.conversation:
         raise StatediffError("--sweep-boundaries generates the replay: give it or CONVERSATION, not both")
+    check_concurrency(options)
     keep, reference = keep_options(options.keep, options.focus, options.focus_check, mode=options.mode,
                                    output=options.output, record_argv=options.record_argv)
     if not str(options.output).endswith((".h5", ".hdf5")):
@@ -274,14 +278,42 @@ def read_inputs(options: RecordingOptions, keep: Any) -> Inputs:
     checked = precheck(turns, model_dir, source=o.source, max_model_len=o.max_model_len,
                        block_size=o.block_size, fit_length=o.engine == "vllm")
     check_focus(keep.focus, turns, checked.prompts, o.source, checked.model.config)
-    check_fault_site(o.fault, len(turns), checked.model.config)
+    check_fault_site(o.fault, len(turns) * o.concurrency, checked.model.config, copies=o.concurrency)
     return Inputs(turns, model_dir, checked.model, checked.prompts, checked.max_model_len)
 
 
-def check_fault_site(fault: str, num_requests: int, config: dict | None) -> None:
+#: Options a concurrent replay (``--concurrency`` > 1) does not take, and how each counts as given.
+_NOT_CONCURRENT = (
+    ("--exact", lambda o: o.exact),
+    ("--exact-split", lambda o: o.exact_split or o.split_like),
+    ("--sweep-boundaries", lambda o: o.sweep_boundaries),
+    ("--focus", lambda o: o.focus or o.focus_check),
+    ("--engine transformers", lambda o: o.engine != "vllm"),
+)
+
+
+def check_concurrency(options: RecordingOptions) -> None:
+    """``concurrency`` is an integer >= 1, and above 1 only with the options a concurrent replay takes
+    (vLLM, the engine's own chunking, a conversation: not exact replay, a sweep or a focused re-record).
+
+    Raises:
+        StatediffError: one line naming the value or the option.
+    """
+    n = options.concurrency
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StatediffError(f"--concurrency {n!r}: expected an integer >= 1 (copies of the conversation)")
+    if n == 1:
+        return
+    for opt, given in _NOT_CONCURRENT:
+        if given(options):
+            raise StatediffError(f"--concurrency {n} replays the copies with the engine's own chunking; "
+                                 f"{opt} is not supported with it")
+
+
+def check_fault_site(fault: str, num_requests: int, config: dict | None, copies: int = 1) -> None:
     """A ``--fault ...:layer=L:request=R`` the model and the conversation hold (``L`` below the
-    model's ``num_hidden_layers``, ``R`` below the number of requests; a drafter fault's layer
-    is the drafter's and is not checked here).
+    model's ``num_hidden_layers``, ``R`` below the number of requests, ``copies`` copies of the
+    conversation counted; a drafter fault's layer is the drafter's and is not checked here).
 
     Raises:
         StatediffError: ``L`` or ``R`` out of range, one line naming the range.
@@ -297,7 +329,8 @@ def check_fault_site(fault: str, num_requests: int, config: dict | None) -> None
             and not 0 <= spec.layer < n_layers):
         raise StatediffError(f"--fault {fault}: the model has layers 0..{n_layers - 1}")
     if spec.request is not None and not 0 <= spec.request < num_requests:
-        raise StatediffError(f"--fault {fault}: the conversation has requests 0..{num_requests - 1}")
+        raise StatediffError(f"--fault {fault}: the conversation has requests 0..{num_requests - 1}" + (
+            f" ({copies} copies of {num_requests // copies} side by side)" if copies > 1 else ""))
 
 
 def _split_like_turns(options: RecordingOptions) -> list[Turn] | None:
@@ -343,9 +376,11 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
         res = vllm_replay.replay(
             turns, kw, prompts=prompts, console=console, progress=o.progress, trace=o.output, mode=o.mode,
             exact=o.exact, exact_split=o.exact_split, split_like=o.split_like, fault=o.fault, kv=o.kv,
-            engine_fixes=tuple(o.engine_fixes), overwrite=o.overwrite, activations=o.activations, logprobs=o.logprobs, keep=keep, run_extra=run_extra)
+            engine_fixes=tuple(o.engine_fixes), overwrite=o.overwrite, activations=o.activations,
+            logprobs=o.logprobs, keep=keep, run_extra=run_extra, concurrency=o.concurrency)
     form = "exact, one block per step" if o.exact else "exact, split form" if o.exact_split else "default"
-    summary = (f"recorded {len(turns)} requests ({o.mode}, {form} chunking, "
+    copies = f", {o.concurrency} copies side by side" if o.concurrency > 1 else ""
+    summary = (f"recorded {len(turns) * o.concurrency} requests ({o.mode}, {form} chunking{copies}, "
                f"block size {res.block_size}) to {o.output} in {res.seconds:.1f} s")
     lines: tuple[str, ...] = ()
     if sweep is not None:

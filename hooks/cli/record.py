@@ -100,6 +100,11 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
                    "(default with RESULT.json: the trace it names for this mode).")
 @click.option("--max-tokens", type=click.IntRange(1), default=_D.max_tokens, show_default=True,
               help="Output tokens per request of the built-in conversation.")
+@click.option("--concurrency", type=click.IntRange(1), default=_D.concurrency, show_default=True, metavar="N",
+              help="Replay N copies of the conversation side by side, each with its own cache_salt: request i "
+                   "of every copy in one batch (their prefills share the engine's steps), each copy hitting only "
+                   "its own earlier requests. Trace request i*N+k is copy k's request i. The engine's own "
+                   "chunking only; 'statediff audit' checks every restore of it (docs/audit.md).")
 @click.option("--sweep-boundaries", is_flag=True,
               help="Instead of a conversation, replay a boundary sweep (statediff/replay/sweep.py): prompts of "
                    "n*B-1, n*B, n*B+3, n*B+1 and n*B+K+1 tokens for the engine's actual block size B and K "

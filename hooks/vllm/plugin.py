@@ -422,6 +422,22 @@ def annotate_request(index: int, **fields: Any) -> None:
         rec.set_request(index, **fields)
 
 
+def request_index(request_id: str) -> int | None:
+    """The trace index of the front end's request ``request_id`` (``RequestOutput.request_id``; vLLM 0.32's
+    engine id is it plus ``-`` and a random suffix, ``v1/engine/input_processor.py``
+    ``assign_request_id``), or None when this process records nothing or never saw it.
+
+    Only meaningful when the engine runs in this process (the replay path).
+    """
+    rec = _state["recorder"]
+    if rec is None or rec.closed:
+        return None
+    if request_id in rec.index:
+        return rec.index[request_id]
+    prefix = f"{request_id}-"
+    return next((i for rid, i in rec.index.items() if rid.startswith(prefix)), None)
+
+
 def mark_stopped(request: int | None, error: str, **where: Any) -> None:
     """Record that the replay stopped early at request ``request`` (None: unknown; run metadata ``stopped``).
 

@@ -9,6 +9,14 @@ hybrid), so a fault-free hit run and its cold run chunk every prefill at
 the same token boundaries and are bit-identical; ``--exact-split`` splits
 the cold run where the hit run's state was computed instead.
 
+``concurrency`` N > 1 replays N copies of the conversation side by side:
+copy k's requests carry ``cache_salt`` ``SALT/k`` (hit; ``cold_salt`` of it
+per request in a cold run), and request i of all N copies goes in one
+``generate`` call, so their prefills share the engine's steps and each copy
+hits only its own earlier requests. The engine schedules a batch's new
+requests in arrival order (FCFS), so trace request ``i * N + k`` is copy k's
+request i (request fields ``copy``, ``copy_request``; checked after each batch).
+
 ``replay`` runs these stages, each usable alone: ``plan_replay`` (checks,
 prompts, split plan: a frozen ``ReplayPlan``, no engine) ->
 ``engine_environment`` (the ``STATEDIFF_*`` variables the engine's
@@ -115,6 +123,7 @@ class ReplaySpec:
         keep: which captured tensors keep their data (``statediff_hooks.keep``; None: ``hits``);
             passed to the engine as ``STATEDIFF_KEEP`` / ``STATEDIFF_FOCUS``.
         run_extra: more run metadata (e.g. ``conversation``, ``record_argv``).
+        concurrency: copies of the conversation side by side (module docstring); 1: one copy.
     """
 
     trace: str | None
@@ -130,6 +139,7 @@ class ReplaySpec:
     logprobs: int = 5
     keep: KeepSpec | None = None
     run_extra: dict | None = None
+    concurrency: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +255,12 @@ def plan_replay(turns: list[Turn], kw: dict, spec: ReplaySpec, *,
     check_known_limits(kw, engine_fixes=spec.engine_fixes)
     if spec.exact and spec.exact_split:
         raise StatediffError("choose one exact replay form: --exact or --exact-split")
+    n = spec.concurrency
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise StatediffError(f"--concurrency {n!r}: expected an integer >= 1 (copies of the conversation)")
+    if n > 1 and (spec.exact or spec.exact_split):
+        raise StatediffError(f"--concurrency {n} replays the copies with the engine's own chunking; "
+                             "exact replay is not supported with it")
     check_logprobs(spec.logprobs, kw)
     if prompts is None:  # the tokenizer only for chat turns
         chat = any(t.prompt_token_ids is None for t in turns)
@@ -261,13 +277,15 @@ def plan_replay(turns: list[Turn], kw: dict, spec: ReplaySpec, *,
 
 def _recorder_config(turns: list[Turn], prompts: list[list[int]], spec: ReplaySpec,
                      splits: dict[int, list[int]]) -> RecorderConfig:
-    """The engine recorder's configuration; the run metadata a replay adds to the engine's."""
+    """The engine recorder's configuration; the run metadata a replay adds to the engine's
+    (``concurrency`` only above 1: absent means one copy)."""
+    copies = {"concurrency": spec.concurrency} if spec.concurrency > 1 else {}
     return RecorderConfig(
         trace=spec.trace or "", mode=spec.mode, activations=spec.activations,
         replay="exact" if spec.exact or spec.exact_split else "default", kv=spec.kv,
         fault=None, overwrite=spec.overwrite, keep=spec.keep or KeepSpec(),
         run_extra={"conversation_digest": conversation_digest(prompts), "sampling": turns[0].sampling,
-                   "num_requests": len(turns),
+                   "num_requests": len(turns) * spec.concurrency, **copies,
                    "exact_form": "block" if spec.exact else "split" if spec.exact_split else None,
                    "split_plan": {str(k): v for k, v in splits.items()} or None,
                    "logprobs_k": spec.logprobs,
@@ -342,31 +360,39 @@ def start_engine(kw: dict, console: Any) -> Any:
 
 
 def send_requests(llm: Any, plan: ReplayPlan, console: Any) -> Outputs:
-    """Send the requests one at a time, in order (a cold run salts each one); collect the outputs.
+    """Send the requests one at a time, in order (a cold run salts each one), or with
+    ``concurrency`` N request i of the N copies in one batch; collect the outputs (in trace
+    request order).
 
     Raises:
         StatediffError: a request failed (an engine error, a bad request): the trace is
-            closed marked incomplete where it stopped (``_stop_recording``).
+            closed marked incomplete where it stopped (``_stop_recording``); a batch the engine
+            did not schedule in arrival order.
         KeyboardInterrupt: likewise marked, then re-raised.
     """
     import time
 
     t0 = time.perf_counter()
-    turns, prompts, mode = plan.turns, plan.prompts, plan.spec.mode
+    turns, prompts, mode, n = plan.turns, plan.prompts, plan.spec.mode, plan.spec.concurrency
     salt_base = uuid.uuid4().hex[:12]
     rows: list[tuple] = []
-    bar = console.replay_bar(f"record {mode}", len(turns),
-                             sum(len(ids) + int(t.sampling.get("max_tokens", 16)) for t, ids in zip(turns, prompts)))
+    bar = console.replay_bar(f"record {mode}", len(turns) * n,
+                             n * sum(len(ids) + int(t.sampling.get("max_tokens", 16)) for t, ids in zip(turns, prompts)))
     i = 0
     try:
         for i, (turn, ids) in enumerate(zip(turns, prompts)):
-            salt = cold_salt(salt_base, i) if mode == "cold" else None
-            rows.append(_one_request(llm, turn, ids, salt, plan.spec.logprobs))
-            plugin.annotate_request(i, num_cached_tokens=rows[-1][0], cache_salt=salt)
-            bar.request_done(len(ids) + int(turn.sampling.get("max_tokens", 16)))
+            if n == 1:
+                salt = cold_salt(salt_base, i) if mode == "cold" else None
+                rows.append(_one_request(llm, turn, ids, salt, plan.spec.logprobs))
+                plugin.annotate_request(i, num_cached_tokens=rows[-1][0], cache_salt=salt)
+            else:
+                rows += _one_batch(llm, turn, ids, i, [copy_salt(salt_base, k, i, mode) for k in range(n)],
+                                   plan.spec.logprobs)
+            for _ in range(n):
+                bar.request_done(len(ids) + int(turn.sampling.get("max_tokens", 16)))
     except BaseException as e:  # an engine error, a bad request, Ctrl-C: the trace says where it stopped
         bar.close()
-        note = _stop_recording(plan.spec.trace, i, turns[i] if i < len(turns) else None, e)
+        note = _stop_recording(plan.spec.trace, i * n, turns[i] if i < len(turns) else None, e)
         if not isinstance(e, Exception):
             raise
         where = f"request {i} (line {turns[i].line})" if i < len(turns) else f"request {i}"
@@ -374,6 +400,41 @@ def send_requests(llm: Any, plan: ReplayPlan, console: Any) -> Outputs:
     bar.close()
     cols = list(zip(*rows)) or [()] * 5
     return Outputs(*(list(c) for c in cols), seconds=time.perf_counter() - t0)
+
+
+def copy_salt(run_id: str, copy: int, index: int, mode: str) -> str:
+    """The ``cache_salt`` of copy ``copy``'s request ``index`` in a concurrent replay: ``RUN/k`` in a hit
+    run (the copy's requests share it, so each copy hits only its own earlier requests), that salted
+    per request (``cold_salt``) in a cold run."""
+    salt = f"{run_id}/{copy}"
+    return cold_salt(salt, index) if mode == "cold" else salt
+
+
+def _one_batch(llm: Any, turn: Turn, ids: list[int], index: int, salts: list[str], logprobs: int) -> list[tuple]:
+    """Request ``index`` of every copy (one salt each) in one ``generate`` call; its rows (``_one_request``'s)
+    in copy order, each request annotated with ``copy``, ``copy_request`` and ``cache_salt``.
+
+    Raises:
+        StatediffError: the engine numbered the batch's requests out of arrival order (a
+            scheduling policy other than FCFS): trace request ``index * N + k`` would not be copy k's.
+    """
+    from vllm import SamplingParams
+
+    n = len(salts)
+    sp = SamplingParams(**(turn.sampling | {"logprobs": logprobs}))
+    results = llm.generate([{"prompt_token_ids": ids, "cache_salt": s} for s in salts], sp, use_tqdm=False)
+    rows = []
+    for k, (res, salt) in enumerate(zip(results, salts)):
+        row = _row(res, logprobs)
+        got = plugin.request_index(res.request_id)
+        if got is not None and got != index * n + k:
+            raise StatediffError(f"copy {k} of request {index} was recorded as request {got}, not {index * n + k}: "
+                                 "the engine did not schedule the batch in arrival order (--concurrency needs "
+                                 "the fcfs scheduling policy)")
+        plugin.annotate_request(index * n + k, num_cached_tokens=row[0], cache_salt=salt, copy=k,
+                                copy_request=index)
+        rows.append(row)
+    return rows
 
 
 def _one_request(llm: Any, turn: Turn, ids: list[int], salt: str | None, logprobs: int) -> tuple:
@@ -386,7 +447,11 @@ def _one_request(llm: Any, turn: Turn, ids: list[int], salt: str | None, logprob
     # logprob of each sampled token and its best `logprobs` alternatives (the runner's values
     # are recorded by the capture; these front-end ones are the same numbers)
     sp = SamplingParams(**(turn.sampling | {"logprobs": logprobs}))
-    res = llm.generate([prompt], sp, use_tqdm=False)[0]
+    return _row(llm.generate([prompt], sp, use_tqdm=False)[0], logprobs)
+
+
+def _row(res: Any, logprobs: int) -> tuple:
+    """(hit tokens, output ids, their logprobs, top-k ids, top-k logprobs) of one ``RequestOutput``."""
     comp = res.outputs[0]
     per_token = list(comp.logprobs or [])
     top = [sorted((v.rank, tid, float(v.logprob)) for tid, v in lp.items() if 1 <= v.rank <= logprobs)

@@ -123,11 +123,13 @@ def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
     ``allow_engine_mismatch`` (the refusal ends with ``mismatch_hint``, what the caller
     offers instead); when both name their engine version and the versions differ,
     unless ``allow_engine_mismatch`` (then a warning naming both: they are judged by
-    tolerance); and always when their ``replay`` modes differ. A value known on one
-    side only is a warning, not a refusal.
+    tolerance); and always when their ``replay`` modes or their ``concurrency`` (copies of
+    the conversation side by side, 1 when absent) differ. A value known on one side only is
+    a warning, not a refusal.
 
     Raises:
-        MismatchError: one line naming the first differing key and both values.
+        MismatchError: one line naming the first differing key and both values (a replay mode or
+            a concurrency that differs: both values).
         NotComparableError: two engine versions ("runs not comparable", both named); two block
             sizes, with or without ``allow_engine_mismatch``.
     """
@@ -158,6 +160,11 @@ def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
             f"traces were replayed differently ({names[0]} replay={ra!r}, {names[1]} replay={rb!r}): "
             "record both with the same replay mode"
         )
+    ca, cb = a.run.get("concurrency") or 1, b.run.get("concurrency") or 1
+    if ca != cb:
+        raise MismatchError(
+            f"traces were replayed with different concurrency ({names[0]} {ca}, {names[1]} {cb}): their "
+            "requests do not pair; record both with the same --concurrency (requests then pair copy by copy)")
     for t, name in ((a, names[0]), (b, names[1])):
         if t.partial:
             warnings.append(f"the {name} trace is partial (recording did not finish)")

@@ -262,10 +262,14 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         one ``HitAccount`` per request, in index order. A cold run (``mode``
         "cold") expects no hit: any hit is a "cold-hit" finding and a hit
         below the shared prefix is not. Otherwise a hit below ``expected`` is
-        a "shortfall" (with its likely reason) and one above it "beyond".
+        a "shortfall" (with its likely reason) and one above it "beyond". A
+        concurrent replay (run field ``concurrency`` > 1: copies with their own
+        ``cache_salt``) accounts each salt's requests apart (the engine never
+        shares blocks across salts).
     """
     b = _int(run.get("block_size"))
-    ledger = HitLedger(b) if b and b > 0 else None
+    per_salt = (_int(run.get("concurrency")) or 1) > 1
+    ledgers: dict[Any, HitLedger] = {}
     cold = run.get("mode") == "cold"
     drop = drafter_drop(run)
     out: list[HitAccount] = []
@@ -276,9 +280,10 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         measured = _int(rec.get("num_cached_tokens"))
         plen = _int(rec.get("prompt_len"))
         plen = len(prompt) if plen is None else plen
-        if ledger is None:
+        if not b or b < 1:
             out.append(HitAccount(i, plen, measured, None, None, b))
             continue
+        ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b))
         a = ledger.expect(prompt)
         rec_tokens, rec_src = _int(rec.get("expected_hit_tokens")), _int(rec.get("expected_hit_source"))
         if rec_tokens is not None:  # what the recorder saw as the request began

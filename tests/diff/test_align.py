@@ -84,6 +84,15 @@ def test_replay_mismatch_refused_even_when_engines_may_differ():
         check_comparable(FakeTrace(replay="exact"), FakeTrace(), allow_engine_mismatch=True)
 
 
+def test_concurrency_mismatch_refused_and_absent_means_one_copy():
+    with pytest.raises(MismatchError) as e:
+        check_comparable(FakeTrace(concurrency=4), FakeTrace(), allow_engine_mismatch=True)
+    assert str(e.value) == ("traces were replayed with different concurrency (hit 4, cold 1): their requests do "
+                            "not pair; record both with the same --concurrency (requests then pair copy by copy)")
+    assert check_comparable(FakeTrace(concurrency=4), FakeTrace(concurrency=4)) == []
+    assert check_comparable(FakeTrace(concurrency=1), FakeTrace()) == []
+
+
 # -- root vs propagated ---------------------------------------------------------
 
 @dataclasses.dataclass

@@ -30,6 +30,29 @@ def test_bad_engine_settings_are_refused_by_the_command_line(tmp_path, no_engine
     assert no_engine == [] and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--concurrency", "0"], "Invalid value for '--concurrency': 0 is not in the range x>=1. (see 'statediff --help')"),
+    (["--concurrency", "two"], "Invalid value for '--concurrency': 'two' is not a valid integer range. "
+                               "(see 'statediff --help')"),
+    (["--concurrency", "2", "--exact"], "--concurrency 2 replays the copies with the engine's own chunking; "
+                                        "--exact is not supported with it"),
+    (["--concurrency", "3", "--sweep-boundaries"], "--concurrency 3 replays the copies with the engine's own "
+                                                   "chunking; --sweep-boundaries is not supported with it"),
+    (["--concurrency", "2", "--engine", "transformers"], "--concurrency 2 replays the copies with the engine's "
+                                                         "own chunking; --engine transformers is not supported with it"),
+])
+def test_a_bad_concurrency_is_refused_before_the_model_is_read(tmp_path, no_engine, args, line):
+    r = run("record", "--mode", "hit", "--model", str(tmp_path / "none"), "-o", str(tmp_path / "x.h5"), *args)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: {line}"])
+    assert no_engine == [] and list(tmp_path.iterdir()) == []
+
+
+def test_check_takes_no_concurrency(tmp_path, no_engine):
+    r = run("check", "--concurrency", "2", "-o", str(tmp_path / "d"))
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        "statediff: error: No such option '--concurrency'. (see 'statediff --help')"])
+
+
 def test_a_fault_in_a_cold_run_is_refused_before_the_model_is_read(tmp_path, no_engine):
     r = run("record", "--mode", "cold", "--fault", "ssm-bf16", "--model", str(tmp_path / "none"),
             "-o", str(tmp_path / "x.h5"))
@@ -52,10 +75,14 @@ def test_a_first_chunk_fault_passes_the_cold_run_check(tmp_path, no_engine):
 @pytest.mark.parametrize("fault,line", [
     ("ssm-bf16:layer=99", "--fault ssm-bf16:layer=99: the model has layers 0..3"),
     ("kv-stale:request=5", "--fault kv-stale:request=5: the conversation has requests 0..4"),
+    ("kv-stale:request=20 --concurrency 4",
+     "--fault kv-stale:request=20: the conversation has requests 0..19 (4 copies of 5 side by side)"),
 ])
 def test_a_fault_outside_the_model_or_conversation_is_refused_before_the_engine(tiny_model, tmp_path, no_engine,
                                                                                 fault, line):
-    r = run("record", "--mode", "hit", "--fault", fault, "--model", str(tiny_model), "-o", str(tmp_path / "x.h5"))
+    fault, *more = fault.split()
+    r = run("record", "--mode", "hit", "--fault", fault, "--model", str(tiny_model), "-o", str(tmp_path / "x.h5"),
+            *more)
     assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: {line}"])
     assert no_engine == [] and list(tmp_path.iterdir()) == []
 

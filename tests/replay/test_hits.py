@@ -166,3 +166,20 @@ def test_the_drafters_last_block_drop_is_expected_and_a_missing_drop_is_a_findin
     assert (ngram.expected, ngram.finding) == (128, None)  # drafters not fed hidden states drop nothing
     other = account_run(dense | {"engine": "transformers"}, issue_conversation(128))[2]
     assert (other.expected, other.finding) == (128, None)
+
+
+def test_a_concurrent_replay_accounts_each_cache_salt_apart():
+    """Two copies of one conversation side by side (``concurrency`` 2, request ``2 * i + k`` is copy k's):
+    copy 1 never shares blocks with copy 0, so its first request expects no hit."""
+    one = issue_conversation(0)
+    recs = {}
+    for i, rec in sorted(one.items()):
+        for k in range(2):
+            recs[2 * i + k] = dict(rec) | {"cache_salt": f"run/{k}",
+                                           "num_cached_tokens": 0 if i < 2 else 128}
+    acc = account_run(run_meta(concurrency=2), recs)
+    assert [(a.request, a.expected, a.source) for a in acc] == [
+        (0, 0, None), (1, 0, None), (2, 0, None), (3, 0, None), (4, 128, 0), (5, 128, 1)]
+    assert findings(acc) == []
+    # the same records without the run field: copy 1's first request "shares" copy 0's prompt
+    assert account_run(run_meta(), recs)[1].kind == "shortfall"
