@@ -87,7 +87,9 @@ class Recorder:
 
     The request index (0, 1, ...) is the alignment id: a replay sends
     requests one at a time in file order, so hit and cold runs number them
-    identically even though the engine's request ids differ.
+    identically even though the engine's request ids differ. A concurrent
+    replay (run field ``concurrency`` N) sends request i of N copies in one
+    batch: request ``i * N + k`` is copy k's, with a hit ledger per copy.
 
     Every tensor gets a summary (a ``/digests`` row); the keep policy
     (``config.keep``, ``keep.KeepPolicy``) decides which also keep their
@@ -102,17 +104,17 @@ class Recorder:
                     fault=None, capture={"kv": config.kv, "activations": config.activations})
         if meta.get("mode") == "cold":
             meta["cold_policy"] = meta.get("cold_policy") or "cache_salt"
+        # a concurrent replay (run field concurrency N: request i*N + k is copy k's, each copy with its own
+        # cache_salt, so copies never share blocks): in effective too, and one hit ledger per copy
+        self.copies = meta.get("concurrency") if isinstance(meta.get("concurrency"), int) else 1
+        if self.copies > 1 and isinstance(meta.get("effective"), dict):
+            meta["effective"] = {**meta["effective"], "concurrency": self.copies}
         self._writer = TraceWriter(config.trace, meta, overwrite=config.overwrite)
         self.index: dict[str, int] = {}
         self.step = 0
         self.closed = False
         # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
         bs = self._writer.run_field("block_size")
-        # one ledger per copy of a concurrent replay (run field concurrency N: request i*N + k is copy k's,
-        # each copy with its own cache_salt, so copies never share blocks)
-        self.copies = meta.get("concurrency") if isinstance(meta.get("concurrency"), int) else 1
-        if self.copies > 1 and isinstance(meta.get("effective"), dict):  # what the replay ran, beside the engine's
-            meta["effective"] = {**meta["effective"], "concurrency": self.copies}
         self._ledgers = ([HitLedger(bs) for _ in range(max(self.copies, 1))]
                          if isinstance(bs, int) and bs > 0 else None)
         self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
