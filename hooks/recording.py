@@ -61,6 +61,9 @@ class RecordingOptions:
         keep: which tensors keep their data: hits, all, none or a byte size.
         focus, focus_check: a focused re-record and the earlier trace to check it against.
         max_tokens: output tokens per request of the built-in conversation.
+        num_gpu_blocks_override: blocks in the engine's KV-cache pool (vLLM
+            ``num_gpu_blocks_override``), None: the engine's own size. A small pool replays under
+            eviction (``statediff.replay.churn``, ``docs/audit.md``).
         concurrency: copies of the conversation replayed side by side (``vllm.replay``: request
             i of every copy in one batch, each copy with its own ``cache_salt``); 1: one copy.
         sweep_boundaries, sweep_blocks: replay a boundary sweep instead of a conversation.
@@ -99,6 +102,7 @@ class RecordingOptions:
     focus: str | None = None
     focus_check: str | None = None
     max_tokens: int = 16
+    num_gpu_blocks_override: int | None = None
     concurrency: int = 1
     sweep_boundaries: bool = False
     sweep_blocks: int = 2
@@ -407,15 +411,24 @@ def engine_arguments(options: RecordingOptions, model_dir: str, max_model_len: i
     drafter named in ``--speculative-config`` resolved, and built on first use).
 
     Raises:
-        StatediffError: an ``--engine-arg`` that is not ``KEY=VALUE``, or a
-            ``--speculative-config`` that is not a JSON object with ``method`` or ``model``.
+        StatediffError: an ``--engine-arg`` that is not ``KEY=VALUE``, a ``--num-gpu-blocks-override``
+            below 1 or also given as an ``--engine-arg``, or a ``--speculative-config`` that is not a
+            JSON object with ``method`` or ``model``.
     """
     from statediff_hooks.vllm.replay import engine_kwargs
 
     o = options
+    extra = parse_engine_args(o.engine_args)
+    if o.num_gpu_blocks_override is not None:
+        n = o.num_gpu_blocks_override
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise StatediffError(f"--num-gpu-blocks-override {n!r}: expected an integer >= 1 (KV-cache blocks)")
+        if "num_gpu_blocks_override" in extra:
+            raise StatediffError("--num-gpu-blocks-override and --engine-arg num_gpu_blocks_override=...: give one")
+        extra["num_gpu_blocks_override"] = n
     kw = engine_kwargs(model_dir, dtype=o.dtype, block_size=o.block_size, max_model_len=max_model_len,
                        enforce_eager=o.enforce_eager, seed=o.seed, max_num_batched_tokens=o.max_num_batched_tokens,
-                       mamba_ssm_cache_dtype=o.mamba_ssm_cache_dtype, extra=parse_engine_args(o.engine_args))
+                       mamba_ssm_cache_dtype=o.mamba_ssm_cache_dtype, extra=extra)
     spec = parse_speculative_config(o.speculative_config, o.seed)
     if spec is not None:
         kw["speculative_config"] = spec
@@ -497,6 +510,7 @@ _NOT_FOR_TRANSFORMERS = (
     ("--speculative-config", lambda o: o.speculative_config),
     ("--sweep-boundaries", lambda o: o.sweep_boundaries),
     ("--engine-arg", lambda o: o.engine_args),
+    ("--num-gpu-blocks-override", lambda o: o.num_gpu_blocks_override is not None),
     ("--activations", lambda o: o.activations),
     # transformers keeps GDN state in float32 always
     ("--mamba-ssm-cache-dtype", lambda o: o.mamba_ssm_cache_dtype not in (None, "float32")),

@@ -100,6 +100,10 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
                    "(default with RESULT.json: the trace it names for this mode).")
 @click.option("--max-tokens", type=click.IntRange(1), default=_D.max_tokens, show_default=True,
               help="Output tokens per request of the built-in conversation.")
+@click.option("--num-gpu-blocks-override", type=click.IntRange(1), default=None, metavar="N",
+              help="Blocks in the engine's KV-cache pool (vLLM num_gpu_blocks_override), shared by its KV-cache "
+                   "groups. A small pool replays under eviction: see 'python -m statediff.replay.churn' "
+                   "(docs/audit.md). The engine refuses a pool that cannot hold its longest request.")
 @click.option("--concurrency", type=click.IntRange(1), default=_D.concurrency, show_default=True, metavar="N",
               help="Replay N copies of the conversation side by side, each with its own cache_salt: request i "
                    "of every copy in one batch (their prefills share the engine's steps), each copy hitting only "

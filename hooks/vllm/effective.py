@@ -98,6 +98,8 @@ def effective_config(runner: Any) -> dict[str, Any]:
         - ``max_num_scheduled_tokens``: tokens the scheduler issues per step
           (``scheduler_config.max_num_scheduled_tokens``, else the former).
         - ``chunked_prefill``: bool.
+        - ``num_gpu_blocks``: blocks in the KV-cache pool (``kv_cache_config.num_blocks``, shared
+          by the KV-cache groups; ``--num-gpu-blocks-override`` sets it), None if unknown.
         - ``ssm_state_dtype`` / ``conv_state_dtype``: dtypes of the first
           mamba layer's cache tensors (``layer.kv_cache[1]`` / ``[0]``), e.g.
           ``"float32"`` / ``"bfloat16"``; ``conv_state_layout``: ``"SD"``
@@ -137,6 +139,7 @@ def effective_config(runner: Any) -> dict[str, Any]:
         "max_num_batched_tokens": int(sc.max_num_batched_tokens),
         "max_num_scheduled_tokens": int(budget),
         "chunked_prefill": bool(sc.enable_chunked_prefill),
+        "num_gpu_blocks": surface.num_gpu_blocks(runner),
         "ssm_state_dtype": None, "conv_state_dtype": None, "conv_state_layout": None,
         "mamba_ssm_cache_dtype_setting": str(getattr(cc, "mamba_ssm_cache_dtype", None) or "") or None,
         "kv_cache_dtype": None,

@@ -355,6 +355,12 @@ def start_engine(kw: dict, console: Any) -> Any:
         raise StatediffError(str(e)) from None
     except Exception as e:  # vLLM raises many types for bad engine arguments
         log = f" (engine log: {console.log_path})" if console.log_path else ""
+        n = kw.get("num_gpu_blocks_override")
+        if n is not None and "at least one request" in str(e):  # vLLM 0.32 kv_cache_utils' admission check
+            raise StatediffError(
+                f"--num-gpu-blocks-override {n}: the KV-cache pool cannot hold one request of the engine's max "
+                f"model len ({kw.get('max_model_len') or 'its default'} tokens) in every KV-cache group; give "
+                f"more blocks{log}") from None
         raise StatediffError(f"the engine failed to start: {type(e).__name__}: {str(e).splitlines()[0]}{log}") from None
     return llm
 

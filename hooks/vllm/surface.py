@@ -382,6 +382,13 @@ def retention_interval(runner: Any) -> tuple[bool, int | None]:
     return True, None if v is None else int(v)
 
 
+def num_gpu_blocks(runner: Any) -> int | None:
+    """``runner.kv_cache_config.num_blocks``: blocks in the KV-cache pool every KV-cache group allocates
+    from (``v1/kv_cache_interface.py`` ``KVCacheConfig``; ``--num-gpu-blocks-override`` sets it), or None."""
+    n = getattr(getattr(runner, "kv_cache_config", None), "num_blocks", None)
+    return int(n) if isinstance(n, int) else None
+
+
 def layer_specs(runner: Any) -> Iterator[tuple[int, str, Any]]:
     """``(group, layer name, KVCacheSpec)`` of every cached layer (``v1/kv_cache_interface.py``;
     a ``UniformTypeKVCacheSpecs`` group holds one spec per layer)."""
