@@ -402,6 +402,8 @@ def send_requests(llm: Any, plan: ReplayPlan, console: Any) -> Outputs:
         if not isinstance(e, Exception):
             raise
         where = f"request {i} (line {turns[i].line})" if i < len(turns) else f"request {i}"
+        if n > 1:
+            where += f", trace requests {i * n}..{i * n + n - 1} ({n} copies)"
         raise StatediffError(f"{where} failed: {first_line(e)} ({type(e).__name__}); {note}") from None
     bar.close()
     cols = list(zip(*rows)) or [()] * 5
