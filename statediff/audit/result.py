@@ -98,15 +98,32 @@ class AuditResult:
         return self.findings[0] if self.findings else None
 
     @property
+    def not_checked(self) -> bool:
+        """Requests hit the prefix cache but no restored tensor could be checked (none recorded, or
+        every one "not checkable"): the audit vouches for nothing, which is not clean."""
+        return bool(self.hits) and not self.findings and not (self.checked.get("state", 0)
+                                                               + self.checked.get("kv", 0))
+
+    @property
     def exit_code(self) -> int:
-        """1 when a restore does not read what was saved, else 0 (errors raise before a result)."""
-        return 1 if self.findings else 0
+        """1 when a restore does not read what was saved; 2 when nothing restored was checkable
+        (``not_checked``: "NOT CHECKED", a verdict, printed as such); else 0 (errors raise before a result)."""
+        return 1 if self.findings else 2 if self.not_checked else 0
+
+    @property
+    def verdict(self) -> str:
+        """"violation", "not_checked" or "clean"."""
+        return "violation" if self.findings else "not_checked" if self.not_checked else "clean"
 
     def headline(self) -> str:
         n = self.checked.get("state", 0) + self.checked.get("kv", 0)
         if self.findings:
             return (f"RESTORE VIOLATION: first at {self.first.where()} "
                     f"({len(self.findings)} finding(s))")
+        if self.not_checked:
+            return (f"NOT CHECKED: {self.hits} hit(s) restored {self.unchecked_count} tensor(s), none of them "
+                    "checkable (the trace holds no write of the values they restore): nothing checkable, "
+                    "so not clean")
         if not self.hits:
             return "CLEAN: no request resumed from a prefix-cache hit (nothing restored to audit)"
         return f"CLEAN: {n} restored tensor(s) of {self.hits} hit(s) read exactly what the run saved"
@@ -134,7 +151,7 @@ class AuditResult:
         return jsonable({
             "statediff": "audit",
             "exit_code": self.exit_code,
-            "verdict": "violation" if self.findings else "clean",
+            "verdict": self.verdict,
             "headline": self.headline(),
             "trace": self.path,
             "first": None if first is None else {

@@ -215,8 +215,10 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     Returns:
         ``out`` as a Path.
     Raises:
-        StatediffError: one of the above, or ``max_mb`` not positive.
+        StatediffError: one of the above, or ``max_mb`` not finite and above 0.
     """
+    if not (math.isfinite(max_mb) and max_mb > 0):
+        raise StatediffError(f"--max-mb must be a finite number of MB above 0, not {max_mb:g}")
     out = Path(out)
     if out.suffix.lower() != ".zip":
         raise StatediffError(f"bundle {out}: the output must be a .zip file")
@@ -232,8 +234,6 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     except OSError as e:
         raise StatediffError(f"cannot write bundle {out}: directory {parent} is not writable "
                              f"({e.strerror or e})") from None
-    if not max_mb > 0:
-        raise StatediffError(f"--max-mb must be positive, not {max_mb:g}")
     return out
 
 
@@ -453,6 +453,11 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
             raise StatediffError(f"bundle {path} holds only the tensors around its root, a subset of the traces: "
                                  f"{' and '.join(changed)} would judge tensors it does not hold; compare the "
                                  "original traces with them (the bundle keeps the options it was extracted with)")
+        own_factor = m.get("noise_factor")
+        if own_factor is not None and not (isinstance(own_factor, (int, float)) and not isinstance(own_factor, bool)
+                                           and math.isfinite(own_factor) and own_factor > 0):
+            raise StatediffError(f"bundle {path}: its manifest's noise_factor {own_factor!r} is not a finite "
+                                 "number above 0")
         tol = options.tol or own_tol
         noise, factor = options.noise, options.noise_factor
         if noise is None and b.noise is not None:

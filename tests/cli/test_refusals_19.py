@@ -52,11 +52,55 @@ def test_calibrate_suggests_nothing_it_does_not_have(traces, tmp_path):
     assert "--allow-engine-mismatch" not in line
 
 
-def test_calibrate_warns_on_stderr(traces, tmp_path):
+def test_calibrate_refuses_a_hit_run(traces, tmp_path):
+    """A hit run cannot calibrate noise (its differences from a cold run are what compare judges);
+    this used to be a warning and a noise file."""
     r = run("calibrate", traces["hit"], traces["cold"], "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {traces['hit']} is a hit run (mode hit): calibration needs two cold runs "
+        "('statediff record --mode cold', recorded apart)"])
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_refuses_byte_copies(traces, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy.h5"
+    shutil.copyfile(traces["cold"], copy)
+    r = run("calibrate", traces["cold"], copy, "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {traces['cold']} and {copy} are byte-identical copies of one trace: calibration "
+        "needs two cold runs recorded apart (their differences are the noise)"])
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_warns_on_stderr(traces, tmp_path):
+    r = run("calibrate", traces["cold"], traces["cold_b"], "-o", tmp_path / "n.json")
     assert r.exit_code == 0
-    assert f"statediff: warning: {traces['hit']} is a 'hit' run, not a cold run" in r.stderr.splitlines()
     assert "warning" not in r.stdout
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_noise_factor_must_be_finite_and_above_zero(traces, value):
+    r = run("compare", traces["hit"], traces["cold"], "--noise-factor", value)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: --noise-factor must be a finite number above 0, not {value}"])
+
+
+@pytest.mark.parametrize("command", ["compare", "report", "extract"])
+def test_noise_factor_without_noise_is_refused(traces, tmp_path, command):
+    extra = ["-o", tmp_path / "b.zip"] if command == "extract" else []
+    r = run(command, traces["hit"], traces["cold"], "--noise-factor", "8", *extra)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        "statediff: error: --noise-factor 8 needs --noise NOISE.json: it multiplies the calibrated envelopes, "
+        "and without --noise nothing would use it"])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_extract_max_mb_must_be_finite_and_above_zero(traces, tmp_path, value):
+    r = run("extract", traces["hit"], traces["cold"], "-o", tmp_path / "b.zip", "--max-mb", value)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: --max-mb must be a finite number of MB above 0, not {value}"])
 
 
 def test_inspect_says_what_an_empty_field_means_where_the_run_says_it(tmp_path):
