@@ -113,6 +113,10 @@ class InspectResult:
 def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
     if key == "engine_patches":
         return describe_patches(v)
+    if key == "quantization":  # the same words as 'statediff report'
+        from statediff.incident.record import quantization_text
+
+        return quantization_text(run or {})
     if v is None:
         return _known_none(key, run or {})
     if key == "layers" and isinstance(v, list):

@@ -140,3 +140,15 @@ def test_a_full_stdout_is_one_line(traces):
                            stderr=subprocess.PIPE, text=True, timeout=120)
     assert (r.returncode, r.stderr.splitlines()) == (2, [
         "statediff: error: cannot write the output: No space left on device"])
+
+
+@pytest.mark.parametrize("engine,quant,shown", [("vllm", None, "none (unquantized)"),
+                                                ("synthetic", "none", "none (unquantized)"),
+                                                ("synthetic", None, "unknown"), ("vllm", "fp8", "fp8")])
+def test_inspect_and_report_say_the_same_quantization(tmp_path, engine, quant, shown):
+    """report said "none (unquantized)" where inspect said "unknown" for the same vLLM trace."""
+    hit = write_trace(tmp_path / "h.h5", "hit", engine=engine, quantization=quant)
+    cold = write_trace(tmp_path / "c.h5", "cold", engine=engine, quantization=quant)
+    assert f"  quantization           {shown}" in run("inspect", hit).stdout.splitlines()
+    report = run("report", hit, cold).stdout
+    assert f"| quantization format | {shown} |" in report.splitlines()
