@@ -81,6 +81,8 @@ class AuditResult:
         hits: requests that resumed from a prefix-cache hit.
         requests: requests in the trace.
         incomplete: why the trace is partial ("" when complete).
+        warnings: one line per tensor whose data is damaged under a restore judged equal to its
+            saved write by digest (``statediff.trace.damage``); the verdict stands.
     """
 
     path: str
@@ -91,6 +93,7 @@ class AuditResult:
     hits: int
     requests: int
     incomplete: str = ""
+    warnings: tuple[str, ...] = ()
 
     @property
     def first(self) -> Finding | None:
@@ -137,6 +140,7 @@ class AuditResult:
             out.append(f"not checkable: {self.unchecked_count} restored tensor(s) "
                        "(the trace holds no write of the value they restore)")
             out += [f"  {u}" for u in self.unchecked]
+        out += [f"warning: {w}" for w in self.warnings]
         for i, f in enumerate(self.findings[:20], 1):
             exp = f.expected
             src = (f"\n    expected: written by request {exp['request']} at step {exp['step']} "
@@ -165,4 +169,5 @@ class AuditResult:
             "hits": self.hits,
             "requests": self.requests,
             "incomplete": self.incomplete,
+            "warnings": list(self.warnings),
         })

@@ -34,7 +34,7 @@ from statediff.trace.writer import TraceWriter
 from .record import build_report
 from .reproduce import CompareOptions
 from .select import Entry, Kept, Selection, select
-from .unpack import FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, sha256_file
+from .unpack import FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, rename, sha256_file
 
 __all__ = ["FORMAT", "MEMBERS", "VERSION", "Bundle", "BundleResult", "compare_bundle", "looks_like_bundle",
            "open_bundle", "write_bundle"]
@@ -468,10 +468,16 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
         used = CompareOptions(tol=tuple(tol), noise=noise, noise_factor=factor, **flags)
         result = compare(b.hit, b.cold, **used.kwargs(), **kw)
         _check_root(b, result)
-    # the traces were unpacked to a temporary directory: name them by the zip instead
+        # the traces were unpacked to a temporary directory: name them by the zip instead
+        warnings = []
+        for w in result.warnings:
+            w = rename(w, b.hit.parent, b)
+            for n in ("hit.h5", "cold.h5"):  # verify takes the bundle, not a member
+                w = w.replace(f"'statediff verify {b.name(n)}'", f"'statediff verify {b.path}'")
+            warnings.append(w)
     return dataclasses.replace(
         result, hit=dataclasses.replace(result.hit, path=b.name("hit.h5")),
-        cold=dataclasses.replace(result.cold, path=b.name("cold.h5")))
+        cold=dataclasses.replace(result.cold, path=b.name("cold.h5")), warnings=warnings)
 
 
 def _check_root(b: Bundle, result: CompareResult) -> None:
