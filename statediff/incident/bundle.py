@@ -475,9 +475,10 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
             for n in ("hit.h5", "cold.h5"):  # verify takes the bundle, not a member
                 w = w.replace(f"'statediff verify {b.name(n)}'", f"'statediff verify {b.path}'")
             warnings.append(w)
+        policy = rename(result.policy, b.hit.parent, b)  # "noise file <tmp>/noise.json (...)"
     return dataclasses.replace(
         result, hit=dataclasses.replace(result.hit, path=b.name("hit.h5")),
-        cold=dataclasses.replace(result.cold, path=b.name("cold.h5")), warnings=warnings)
+        cold=dataclasses.replace(result.cold, path=b.name("cold.h5")), warnings=warnings, policy=policy)
 
 
 def _check_root(b: Bundle, result: CompareResult) -> None:

@@ -197,3 +197,40 @@ def test_inspect_shows_a_bundle_manifest_members_and_both_traces(good):
     assert doc["kept"] == {"hit": 4, "cold": 6}
     assert [t["path"] for t in doc["traces"]] == [f"{good}:b/hit.h5", f"{good}:b/cold.h5"]
     assert [t["tensors"] for t in doc["traces"]] == [4, 6]
+
+
+def test_damaged_data_under_equal_hashes_in_a_bundle_is_named_by_the_zip(good, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_verify import flip_byte
+    from statediff.trace import open_trace
+
+    hit = tmp_path / "hit.h5"
+    hit.write_bytes(members(good)["b/hit.h5"])
+    with open_trace(hit) as t:  # the resumed conv state at the root position equals the cold one
+        e = next(e for e in t.entries if e.key == (2, 80, 1, "gdn.conv_state"))
+    flip_byte(hit, e.dataset)
+    z = tamper(good, tmp_path / "t.zip", replace={"hit.h5": hit.read_bytes()}, rehash=True)
+    r = run("compare", z)
+    assert r.exit_code == 1, r.output
+    assert [line for line in r.stdout.splitlines() if line.startswith("warning: ")] == [
+        f"warning: {z}:b/hit.h5: tensor {e.dataset} ({e.label()}) is damaged: its bytes do not match the hash "
+        "in the index; the verdict on it rests on the digest recorded with it, not on its data "
+        f"('statediff verify {z}' lists every damaged tensor)"]
+
+
+def test_a_bundle_with_a_noise_file_names_it_by_the_zip(tmp_path):
+    from statediff.diff.calibrate import calibrate
+    from statediff.incident.reproduce import CompareOptions
+
+    hit = write_trace(tmp_path / "hit.h5", "hit", faults=[Fault("prev_block", 2, 1)])
+    cold = write_trace(tmp_path / "cold.h5", "cold")
+    calibrate(cold, write_trace(tmp_path / "cold-b.h5", "cold", noise_seed=1), tmp_path / "noise.json")
+    options = CompareOptions(noise=str(tmp_path / "noise.json"))
+    z = write_bundle(compare(hit, cold, **options.kwargs()), tmp_path / "n.zip", options, plot=False).path
+    r = run("compare", z)
+    assert r.exit_code == 1, r.output
+    policy = next(line for line in r.stdout.splitlines() if line.startswith("tolerance: "))
+    assert policy.startswith(f"tolerance: noise file {z}:n/noise.json (allowed: ")
+    assert "statediff-bundle-" not in r.stdout
