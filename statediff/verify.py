@@ -126,7 +126,7 @@ def verify(path: str | os.PathLike) -> VerifyResult:
         TraceError: a trace cannot be opened (unreadable: missing, not a trace, damaged metadata).
         StatediffError: a bundle that is not a readable bundle.
     """
-    from statediff.incident.bundle import looks_like_bundle, open_bundle
+    from statediff.incident.unpack import looks_like_bundle, open_bundle
 
     if looks_like_bundle(path):
         with open_bundle(path, strict=False) as b:  # a member that fails its hash is damage, exit 1

@@ -5,7 +5,7 @@ A bundle (``bundle.zip`` -> folder ``bundle/``) holds ``hit.h5`` and
 request record), ``report.md``, ``heatmap.png``, ``replay.jsonl``, an
 optional ``noise.json`` and ``manifest.json``; docs/bundles.md describes
 each member and the checks made before the zip is moved into place.
-``open_bundle`` reads only the known members, size-checked, under fixed names.
+``open_bundle`` (``unpack.py``) checks a bundle from a stranger before any member is used.
 """
 
 from __future__ import annotations
