@@ -112,10 +112,7 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
         parts = {i: p for i in indices if (p := stream_part(traces.hit.requests, traces.cold.requests, i)) is not None}
         digests = DigestCache()
         judged = _judge(plan, traces, policy, parts, digests, progress, stop_at_first)
-        warnings += judged.damage.warnings()
-        if judged.no_envelope:
-            warnings.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
-                            f"{'bit identity' if exact else 'dtype defaults'}")
+        warnings += _judging_warnings(judged, exact)
         divergences = _divergences(judged.found, classify(judged.found, traces.hit.requests))
         out_tol = OutputTolerance(exact=exact and model is None)
         rows, hit_findings = _hits(traces, _requests(traces, indices, parts, out_tol))
@@ -137,6 +134,16 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
             band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok))
+
+
+def _judging_warnings(judged: "_Judging", exact: bool) -> list[str]:
+    """What judging found worth a warning: damaged data under a verdict that did not decode it
+    (``statediff.trace.damage``), pairs without a noise envelope."""
+    out = judged.damage.warnings()
+    if judged.no_envelope:
+        out.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
+                   f"{'bit identity' if exact else 'dtype defaults'}")
+    return out
 
 
 def _incomplete(paths: Pair, traces: Pair[Trace], allow: bool) -> tuple[str, ...]:
