@@ -19,12 +19,12 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from statediff.diff.result import CompareResult, Divergence, no_data_text
-from statediff.errors import StatediffError, first_line
+from statediff.errors import StatediffError
 from statediff.jsonutil import jsonable
 from statediff.replay.command import focus_lines
 from statediff.trace.reader import Trace, open_trace
