@@ -113,10 +113,10 @@ class InspectResult:
 def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
     if key == "engine_patches":
         return describe_patches(v)
-    if key == "quantization":  # the same words as 'statediff report'
-        from statediff.incident.record import quantization_text
+    if key in ("quantization", "speculative_method"):  # the same words as 'statediff report'
+        from statediff.incident.record import quantization_text, speculative_text
 
-        return quantization_text(run or {})
+        return (quantization_text if key == "quantization" else speculative_text)(run or {})
     if v is None:
         return _known_none(key, run or {})
     if key == "layers" and isinstance(v, list):
@@ -131,11 +131,12 @@ def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
 def _known_none(key: str, run: dict[str, Any]) -> str:
     """What an empty run field means where the run says it (a hit run has no cold policy, a run
     without a drafter no speculative tokens, a run with no planted fault none), else "unknown"."""
+    from statediff.incident.record import speculative_text
     if key == "stopped":
         return "no (ran to its end)"
     if key == "cold_policy" and run.get("mode") == "hit":
         return "none (a hit run: normal prefix caching)"
-    if key == "num_speculative_tokens" and run.get("speculative_method") == "none":
+    if key == "num_speculative_tokens" and speculative_text(run).startswith("none"):
         return "0 (no drafter)"
     if key == "fault" and run.get("mode") in ("hit", "cold"):
         return "none (no planted fault)"

@@ -294,6 +294,16 @@ def quantization_text(run: dict) -> str:
     return "none (unquantized)" if quant == "none" or _records_config(run) else UNKNOWN
 
 
+def speculative_text(run: dict) -> str:
+    """The run's speculative method as ``inspect`` shows it, in ``report``'s words (its "drafter
+    method" row): the method; "none (no speculative decoding)" for a recorded ``"none"`` or a null
+    from an engine that always records it (``ENGINES_RECORDING_CONFIG``); else "unknown"."""
+    method, _, on = _spec(run)
+    if method:
+        return str(method)
+    return "none (no speculative decoding)" if on is False else UNKNOWN
+
+
 def _quantization(c: _Sides) -> str:
     return quantization_text(c.run)
 

@@ -152,3 +152,16 @@ def test_inspect_and_report_say_the_same_quantization(tmp_path, engine, quant, s
     assert f"  quantization           {shown}" in run("inspect", hit).stdout.splitlines()
     report = run("report", hit, cold).stdout
     assert f"| quantization format | {shown} |" in report.splitlines()
+
+
+@pytest.mark.parametrize("engine,method,shown", [("vllm", None, "none (no speculative decoding)"),
+                                                 ("synthetic", "none", "none (no speculative decoding)"),
+                                                 ("synthetic", None, "unknown")])
+def test_inspect_and_report_say_the_same_speculative_method(tmp_path, engine, method, shown):
+    run_fields = dict(engine=engine, speculative_method=method, num_speculative_tokens=None)
+    hit = write_trace(tmp_path / "h.h5", "hit", **run_fields)
+    cold = write_trace(tmp_path / "c.h5", "cold", **run_fields)
+    lines = run("inspect", hit).stdout.splitlines()
+    assert f"  speculative_method     {shown}" in lines
+    assert f"  num_speculative_tokens {'unknown' if shown == 'unknown' else '0 (no drafter)'}" in lines
+    assert f"| drafter method | {shown} |" in run("report", hit, cold).stdout.splitlines()
