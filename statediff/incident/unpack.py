@@ -13,8 +13,8 @@ line naming ``BUNDLE.zip:member``, at the first failure:
    version ``MIN_VERSION``..``VERSION``, whose member table lists each
    other member's size and SHA-256;
 3. every member of the zip is the manifest or listed there (nothing else,
-   nothing outside the folder), every listed member is present, and
-   ``hit.h5`` and ``cold.h5`` are listed;
+   nothing outside the folder; the folder's own empty entry is allowed),
+   every listed member is present, and ``hit.h5`` and ``cold.h5`` are listed;
 4. each listed member is streamed (never more than its declared size)
    and its size and SHA-256 must equal the manifest's; the traces and the
    noise file are written under fixed names in a temporary directory;
@@ -273,6 +273,8 @@ def open_bundle(path: str | os.PathLike, strict: bool = True) -> Iterator[Bundle
         table = member_table(p, folder, manifest)
         for i in infos:
             rel = i.filename.removeprefix(f"{folder}/")
+            if i.filename == f"{folder}/" and i.file_size == 0:
+                continue  # the folder's own entry (a bundle zipped again with 'zip -r')
             if i.filename != f"{folder}/manifest.json" and (rel == i.filename or rel not in table):
                 raise StatediffError(f"{p}:{i.filename} is not listed in the bundle's manifest: a damaged "
                                      "or tampered bundle")

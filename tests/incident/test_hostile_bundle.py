@@ -90,6 +90,15 @@ def test_a_member_the_manifest_does_not_list_is_refused(good, tmp_path, name):
         f"{z}:{name} is not listed in the bundle's manifest: a damaged or tampered bundle")
 
 
+def test_the_folder_entry_of_a_bundle_zipped_again_is_allowed(good, tmp_path):
+    z = tmp_path / "again.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("b/", b"")
+        for n, data in members(good).items():
+            f.writestr(n, data)
+    assert run("compare", z).exit_code == 1
+
+
 def test_a_member_whose_hash_disagrees_is_refused_and_verify_names_it_damaged(good, tmp_path):
     report = members(good)["b/report.md"]
     bad = report.replace(b"bit for bit", b"bit FOR bit")
