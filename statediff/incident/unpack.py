@@ -18,8 +18,9 @@ line naming ``BUNDLE.zip:member``, at the first failure:
 4. each listed member is streamed (never more than its declared size)
    and its size and SHA-256 must equal the manifest's; the traces and the
    noise file are written under fixed names in a temporary directory;
-5. ``hit.h5`` and ``cold.h5`` are not the same bytes, and the manifest's
-   root (request, position, layer, tensor kind) is a tensor of both.
+5. ``hit.h5`` and ``cold.h5`` are not the same bytes, the manifest's
+   root (request, position, layer, tensor kind) is a tensor of both, and
+   each trace holds exactly the tensors the manifest lists as kept for it.
 
 ``strict=False`` (``statediff verify``) collects hash and size
 disagreements in ``Bundle.damaged`` instead of refusing (verify reports
@@ -227,7 +228,8 @@ def _unpack(p: Path, z: zipfile.ZipFile, info: zipfile.ZipInfo, want: dict[str, 
 
 
 def _check_root(b: Bundle) -> None:
-    """The manifest's root is a tensor of both traces, and the two traces are not the same bytes."""
+    """The two traces are not the same bytes, the manifest's root is a tensor of both, and each holds
+    exactly the tensors the manifest lists as kept on its side (request, position, layer, kind, role)."""
     from statediff.trace.reader import open_trace
 
     if b.members["hit.h5"]["sha256"] == b.members["cold.h5"]["sha256"]:
@@ -239,12 +241,23 @@ def _check_root(b: Bundle) -> None:
         raise StatediffError(f"bundle {b.path}: its manifest's root {root!r} is not "
                              "[request, position, layer, kind]")
     key = tuple(root)
-    for side, path in (("hit.h5", b.hit), ("cold.h5", b.cold)):
+    kept = b.manifest.get("kept")
+    for side, path in (("hit", b.hit), ("cold", b.cold)):
         with open_trace(path) as t:
-            if not any(e.key == key for e in [*t.entries, *t.digests]):
-                raise StatediffError(
-                    f"bundle {b.path}: its manifest's root (request {key[0]}, position {key[1]}, layer {key[2]}, "
-                    f"{key[3]}) is not in {b.name(side)}: the bundle is not what 'statediff extract' wrote")
+            held = {(e.request, e.position, e.layer, e.kind, e.role) for e in [*t.entries, *t.digests]}
+        if not (isinstance(kept, list) and all(isinstance(k, dict) for k in kept)):
+            raise StatediffError(f"bundle {b.path}: its manifest's list of kept tensors is missing or malformed")
+        if not any(h[:4] == key for h in held):
+            raise StatediffError(
+                f"bundle {b.path}: its manifest's root (request {key[0]}, position {key[1]}, layer {key[2]}, "
+                f"{key[3]}) is not in {b.name(side + '.h5')}: the bundle is not what 'statediff extract' wrote")
+        listed = {(k.get("request"), k.get("position"), k.get("layer"), k.get("kind"), k.get("role"))
+                  for k in kept if k.get("side") == side}
+        if held != listed:
+            raise StatediffError(
+                f"bundle {b.path}: {b.name(side + '.h5')} holds {len(held - listed)} tensor(s) its manifest does "
+                f"not list as kept and lacks {len(listed - held)} it lists: the bundle is not what "
+                "'statediff extract' wrote")
 
 
 @contextlib.contextmanager

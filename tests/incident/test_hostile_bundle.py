@@ -243,3 +243,12 @@ def test_a_bundle_with_a_noise_file_names_it_by_the_zip(tmp_path):
     policy = next(line for line in r.stdout.splitlines() if line.startswith("tolerance: "))
     assert policy.startswith(f"tolerance: noise file {z}:n/noise.json (allowed: ")
     assert "statediff-bundle-" not in r.stdout
+
+
+def test_a_trace_holding_other_tensors_than_the_manifest_lists_is_refused(good, tmp_path):
+    doc = json.loads(members(good)["b/manifest.json"])
+    kept = [k for k in doc["kept"] if not (k["side"] == "cold" and k["position"] == 96)]
+    z = tamper(good, tmp_path / "t.zip", manifest={"kept": kept})
+    assert error_line(run("compare", z)) == (
+        f"bundle {z}: {z}:b/cold.h5 holds 2 tensor(s) its manifest does not list as kept and lacks 0 it lists: "
+        "the bundle is not what 'statediff extract' wrote")
