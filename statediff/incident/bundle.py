@@ -247,7 +247,8 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
     tensors and check the copies (``_write_traces``: fingerprints, and
     ``compare`` on the extracted pair, with ``options``, names the same root
     and diagnosis); the other members (``_write_members``); the zip, checked
-    against ``max_mb`` (``_fits``); then move it into place.
+    against ``max_mb`` (``_fits``) and opened as a reader would (``_opens``:
+    ``open_bundle``'s checks); then move it into place.
 
     Args:
         result: ``compare`` of the full traces, run with ``options``.
@@ -286,6 +287,7 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
             tmp_zip = Path(tmp) / "bundle.zip"
             members = _write_zip(tmp_zip, d, folder)
             size = _fits(tmp_zip, members, max_mb, hint=bool(neighbours or siblings))
+            verified.append(_opens(tmp_zip, out))
             try:
                 os.replace(tmp_zip, out)
             except OSError as e:
@@ -391,6 +393,17 @@ def _fits(zip_path: Path, members: list[tuple[str, int]], max_mb: float, hint: b
         raise StatediffError(f"the bundle would be {_size(size)}, over --max-mb {max_mb:g} ({parts})"
                              + ("; try --no-neighbours" if hint else ""))
     return size
+
+
+def _opens(zip_path: Path, out: Path) -> str:
+    """The zip written must pass every check a reader makes (``open_bundle``); one verified line."""
+    try:
+        with open_bundle(zip_path):
+            pass
+    except StatediffError as e:
+        raise StatediffError(f"internal check failed: bundle {out} would not open: "
+                             f"{str(e).replace(str(zip_path), str(out))}") from None
+    return "the zip opens as a bundle: members, sizes, SHA-256 hashes, root and kept tensors checked"
 
 
 def _check_same(full: CompareResult, part: CompareResult) -> None:

@@ -89,7 +89,9 @@ def test_extracted_traces_keep_every_record_and_the_original_fingerprints(pair, 
                         o.hash, o.sum, o.sumsq, o.min, o.max, o.n_nan, o.n_inf, o.shape, o.dtype,
                         o.role, o.module, o.token_start, o.block)
     assert res.verified == ["fingerprints of 4 hit and 6 cold tensors equal the originals",
-                            "statediff compare on the extracted pair finds the same root and diagnosis"]
+                            "statediff compare on the extracted pair finds the same root and diagnosis",
+                            "the zip opens as a bundle: members, sizes, SHA-256 hashes, root and kept tensors "
+                            "checked"]
 
 
 def test_compare_on_the_zip_finds_the_same_root_and_diagnosis(pair, tmp_path):
