@@ -59,9 +59,12 @@ class InspectResult:
     kinds: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     keep: dict[str, Any] | None = None
     data_verified: bool = False  # inspect reads no tensor data: 'statediff verify' does
+    verify_target: str = ""  # what 'statediff verify' is given to check this trace ("": path)
 
     def to_json(self) -> dict:
-        return jsonable(dataclasses.asdict(self) | {"format": FORMAT_NAME})
+        doc = dataclasses.asdict(self) | {"format": FORMAT_NAME}
+        doc.pop("verify_target")
+        return jsonable(doc)
 
     def to_text(self) -> str:
         state = "partial (recording did not finish; read up to its last completed step)" \
@@ -101,7 +104,8 @@ class InspectResult:
         s = self.sizes
         out.append(f"sizes: raw {_mib(s['raw_bytes'])}, on disk {_mib(s['stored_bytes'])} "
                    f"(compression ratio {s['ratio']:.2f}x), file {_mib(s['file_bytes'])}")
-        out.append(f"data: not verified (metadata only; 'statediff verify {self.path}' reads every tensor "
+        out.append(f"data: not verified (metadata only; 'statediff verify {self.verify_target or self.path}' "
+                   "reads every tensor "
                    "and checks its hash and summary)")
         return "\n".join(out)
 
@@ -109,6 +113,10 @@ class InspectResult:
 def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
     if key == "engine_patches":
         return describe_patches(v)
+    if key in ("quantization", "speculative_method"):  # the same words as 'statediff report'
+        from statediff.incident.record import quantization_text, speculative_text
+
+        return (quantization_text if key == "quantization" else speculative_text)(run or {})
     if v is None:
         return _known_none(key, run or {})
     if key == "layers" and isinstance(v, list):
@@ -123,11 +131,12 @@ def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
 def _known_none(key: str, run: dict[str, Any]) -> str:
     """What an empty run field means where the run says it (a hit run has no cold policy, a run
     without a drafter no speculative tokens, a run with no planted fault none), else "unknown"."""
+    from statediff.incident.record import speculative_text
     if key == "stopped":
         return "no (ran to its end)"
     if key == "cold_policy" and run.get("mode") == "hit":
         return "none (a hit run: normal prefix caching)"
-    if key == "num_speculative_tokens" and run.get("speculative_method") == "none":
+    if key == "num_speculative_tokens" and speculative_text(run).startswith("none"):
         return "0 (no drafter)"
     if key == "fault" and run.get("mode") in ("hit", "cold"):
         return "none (no planted fault)"
@@ -222,3 +231,64 @@ def inspect_trace(path: str | os.PathLike) -> InspectResult:
             incomplete_reason=t.partial_reason, hit_findings=[a.finding for a in hits.values() if a.finding],
             digest_only=len(digests), kinds=kinds,
             keep=t.run.get("keep") if isinstance(t.run.get("keep"), dict) else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BundleInspectResult:
+    """Summary of a bundle (``statediff extract``'s zip): its manifest, members and both traces.
+
+    Attributes:
+        path: the zip.
+        manifest: format, version, folder, root, diagnosis, compare options, sources, notes.
+        members: name -> {"bytes", "sha256"} (each checked against the zip before this was made).
+        kept: how many tensors the manifest says each side keeps.
+        traces: ``inspect`` of ``hit.h5`` and ``cold.h5``, named ``BUNDLE.zip:folder/member``.
+    """
+
+    path: str
+    manifest: dict[str, Any]
+    members: dict[str, dict[str, Any]]
+    kept: dict[str, int]
+    traces: tuple[InspectResult, InspectResult]
+    exit_code: int = 0
+
+    def to_json(self) -> dict:
+        return jsonable({"statediff": "inspect", "bundle": self.path, "manifest": self.manifest,
+                         "members": self.members, "kept": self.kept,
+                         "traces": [t.to_json() for t in self.traces]})
+
+    def to_text(self) -> str:
+        m = self.manifest
+        root = m.get("root") or [None] * 4
+        out = [f"bundle: {self.path}",
+               f"format: {m.get('format')} v{m.get('version')}, folder {m.get('folder')}/",
+               f"root: request {root[0]}, position {root[1]}, layer {root[2]}, {root[3]}",
+               f"diagnosis: {str(m.get('diagnosis') or 'none').removeprefix('diagnosis: ')}",
+               "compare options: " + (" ".join(map(str, m.get("compare_options") or [])) or "none"),
+               f"kept: {self.kept.get('hit', 0)} hit and {self.kept.get('cold', 0)} cold tensors",
+               "sources: " + ", ".join(f"{k} {v}" for k, v in (m.get("sources") or {}).items()),
+               "members (size and SHA-256 checked against the manifest):"]
+        out += [f"  {name:<13} {d['bytes']:>10} bytes  sha256 {d['sha256'][:16]}..." for name, d in self.members.items()]
+        out += [f"note: {n}" for n in m.get("notes") or []]
+        for t in self.traces:
+            out += ["", t.to_text()]
+        return "\n".join(out)
+
+
+def inspect_bundle(path: str | os.PathLike) -> BundleInspectResult:
+    """Summarise a bundle: its manifest and members (checked as ``compare`` checks them: no
+    duplicate or unlisted member, sizes and SHA-256 equal the manifest's, the root is in both
+    traces) and ``inspect_trace`` of both its traces.
+
+    Raises:
+        StatediffError: not a readable, consistent bundle (``open_bundle``); TraceError for a trace.
+    """
+    from statediff.incident.unpack import open_bundle
+
+    with open_bundle(path) as b:
+        traces = tuple(dataclasses.replace(inspect_trace(p), path=b.name(p.name), verify_target=str(path))
+                       for p in (b.hit, b.cold))
+        keep = ("format", "version", "folder", "root", "diagnosis", "compare_options", "sources", "notes")
+        kept = Counter(k.get("side") for k in b.manifest.get("kept") or [] if isinstance(k, dict))
+        return BundleInspectResult(str(path), {k: b.manifest.get(k) for k in keep}, b.members,
+                                   {"hit": kept["hit"], "cold": kept["cold"]}, traces)

@@ -96,37 +96,42 @@ class TraceCheck:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
-    """``verify`` of a trace or a bundle; ``exit_code`` 0 every trace intact, 1 a tensor damaged."""
+    """``verify`` of a trace or a bundle; ``exit_code`` 0 every trace intact, 1 a tensor damaged
+    (or, in a bundle, a member whose size or SHA-256 disagrees with the manifest: ``members_damaged``,
+    one line each naming ``BUNDLE.zip:folder/member``)."""
 
     target: str
     traces: tuple[TraceCheck, ...]
+    members_damaged: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(t.damaged for t in self.traces) else 0
+        return 1 if self.members_damaged or any(t.damaged for t in self.traces) else 0
 
     def to_text(self) -> str:
-        return "\n".join(t.to_text() for t in self.traces)
+        out = [f"DAMAGED: {m}" for m in self.members_damaged]
+        return "\n".join(out + [t.to_text() for t in self.traces])
 
     def to_json(self) -> dict:
         return jsonable({"statediff": "verify", "target": self.target, "exit_code": self.exit_code,
-                         "intact": self.exit_code == 0, "traces": [t.to_json() for t in self.traces]})
+                         "intact": self.exit_code == 0, "members_damaged": list(self.members_damaged),
+                         "traces": [t.to_json() for t in self.traces]})
 
 
 def verify(path: str | os.PathLike) -> VerifyResult:
-    """Verify a trace (file or ``.parts`` directory) or a bundle (``.zip``: both its traces).
+    """Verify a trace (file or ``.parts`` directory) or a bundle (``.zip``: every member's size and
+    SHA-256 against its manifest, and both its traces).
 
     Raises:
         TraceError: a trace cannot be opened (unreadable: missing, not a trace, damaged metadata).
         StatediffError: a bundle that is not a readable bundle.
     """
-    from statediff.incident.bundle import looks_like_bundle, open_bundle
+    from statediff.incident.unpack import looks_like_bundle, open_bundle
 
     if looks_like_bundle(path):
-        with open_bundle(path) as b:
-            folder = b.manifest.get("folder") or b.hit.parent.name
-            checks = tuple(verify_trace(p, f"{path}:{folder}/{p.name}") for p in (b.hit, b.cold))
-        return VerifyResult(str(path), checks)
+        with open_bundle(path, strict=False) as b:  # a member that fails its hash is damage, exit 1
+            checks = tuple(verify_trace(p, b.name(p.name)) for p in (b.hit, b.cold))
+        return VerifyResult(str(path), checks, b.damaged)
     return VerifyResult(str(path), (verify_trace(path),))
 
 

@@ -161,3 +161,27 @@ def test_a_restore_whose_saved_value_was_not_recorded_is_not_checkable(tmp_path,
            "no state of this prefix was recorded as saved")
     assert r.unchecked[0] == f"request 3 position 48 layer 0 gdn.conv_state: {why}"
     assert "not checkable: 2 restored tensor(s)" in r.to_text()
+
+
+def test_hits_with_no_checkable_restore_are_not_checked_not_clean(tmp_path):
+    """Every restore 'not checkable' used to print CLEAN, exit 0: now an explicit NOT CHECKED, exit 2."""
+    from audit_synth import _Run, prompts
+
+    (p0, o0), (p1, o1) = prompts()[:2]
+    run = _Run(tmp_path / "hit.h5", "none", None)
+    for i, p in enumerate((p0, p1)):
+        run.w.begin_request(i, f"req-{i}", list(p))
+    run.state(p1 + o1, 1, 32, 5, 4, role="resumed")  # what it resumed from was never recorded
+    run.w.end_step()
+    run.w.update_request(1, num_cached_tokens=32)
+    run.w.end_step()
+    run.w.close()
+    r = audit_trace(tmp_path / "hit.h5")
+    assert (r.exit_code, r.verdict, r.hits, r.unchecked_count) == (2, "not_checked", 1, 2)
+    res = CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5")])
+    assert res.exit_code == 2
+    assert res.stdout.splitlines()[0] == (
+        "NOT CHECKED: 1 hit(s) restored 2 tensor(s), none of them checkable (the trace holds no write of the "
+        "values they restore): nothing checkable, so not clean")
+    doc = json.loads(CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5"), "--json"]).stdout)
+    assert (doc["verdict"], doc["exit_code"]) == ("not_checked", 2)

@@ -16,7 +16,10 @@ import os
 
 from statediff.trace import Trace, open_trace
 
-from .checks import Context, block_table_findings, check_restore, first_chunk_findings, group_hit_findings
+from statediff.trace.damage import DamageCheck
+
+from .checks import (Context, block_table_findings, check_restore, expected_write, first_chunk_findings,
+                     group_hit_findings)
 from .ledger import rec_from
 from .result import AuditResult, Finding
 
@@ -47,7 +50,10 @@ def audit_trace(trace: Trace | str | os.PathLike) -> AuditResult:
 
 
 def _audit(t: Trace) -> AuditResult:
-    recs = [rec_from(e) for e in t.entries] + [rec_from(d) for d in t.digests]
+    entries = [*t.entries, *t.digests]
+    recs = [rec_from(e) for e in entries]
+    entry_of = {id(r): e for r, e in zip(recs, entries)}
+    damage = DamageCheck()
     ctx = Context(t.run, t.requests, recs)
     restored = sorted((r for r in recs if r.role == "resumed" and r.kind.startswith(_RESTORED_FAMILIES)),
                       key=lambda r: (r.request, r.position, r.layer, r.kind))
@@ -64,6 +70,10 @@ def _audit(t: Trace) -> AuditResult:
         checked["state" if r.is_state else "kv"] += 1
         if found is not None:
             findings.append(found)
+            continue
+        w = expected_write(ctx, r)[0]  # equal digests: is the data under them intact?
+        if w is not None and id(w) in entry_of:
+            damage.check_pair(t, entry_of[id(r)], t, entry_of[id(w)])
     table, rows = block_table_findings(ctx, hit_steps)
     checked["block_table"] = rows
     findings += table
@@ -76,6 +86,7 @@ def _audit(t: Trace) -> AuditResult:
     return AuditResult(
         path=str(t.path), findings=tuple(sorted(findings, key=lambda f: f.order)), checked=checked,
         unchecked=tuple(unchecked[:MAX_UNCHECKED_LISTED]), unchecked_count=len(unchecked),
-        hits=len(hits), requests=len(t.requests), incomplete=t.partial_reason if t.partial else "")
+        hits=len(hits), requests=len(t.requests), incomplete=t.partial_reason if t.partial else "",
+        warnings=tuple(damage.warnings()))
 
 

@@ -88,6 +88,8 @@ class AuditResult:
         hits: requests that resumed from a prefix-cache hit.
         requests: requests in the trace.
         incomplete: why the trace is partial ("" when complete).
+        warnings: one line per tensor whose data is damaged under a restore judged equal to its
+            saved write by digest (``statediff.trace.damage``); the verdict stands.
     """
 
     path: str
@@ -98,6 +100,7 @@ class AuditResult:
     hits: int
     requests: int
     incomplete: str = ""
+    warnings: tuple[str, ...] = ()
 
     @property
     def first(self) -> Finding | None:
@@ -105,15 +108,32 @@ class AuditResult:
         return self.findings[0] if self.findings else None
 
     @property
+    def not_checked(self) -> bool:
+        """Requests hit the prefix cache but no restored tensor could be checked (none recorded, or
+        every one "not checkable"): the audit vouches for nothing, which is not clean."""
+        return bool(self.hits) and not self.findings and not (self.checked.get("state", 0)
+                                                               + self.checked.get("kv", 0))
+
+    @property
     def exit_code(self) -> int:
-        """1 when a restore does not read what was saved, else 0 (errors raise before a result)."""
-        return 1 if self.findings else 0
+        """1 when a restore does not read what was saved; 2 when nothing restored was checkable
+        (``not_checked``: "NOT CHECKED", a verdict, printed as such); else 0 (errors raise before a result)."""
+        return 1 if self.findings else 2 if self.not_checked else 0
+
+    @property
+    def verdict(self) -> str:
+        """"violation", "not_checked" or "clean"."""
+        return "violation" if self.findings else "not_checked" if self.not_checked else "clean"
 
     def headline(self) -> str:
         n = self.checked.get("state", 0) + self.checked.get("kv", 0)
         if self.findings:
             return (f"RESTORE VIOLATION: first at {self.first.where()} "
                     f"({len(self.findings)} finding(s))")
+        if self.not_checked:
+            return (f"NOT CHECKED: {self.hits} hit(s) restored {self.unchecked_count} tensor(s), none of them "
+                    "checkable (the trace holds no write of the values they restore): nothing checkable, "
+                    "so not clean")
         if not self.hits:
             return "CLEAN: no request resumed from a prefix-cache hit (nothing restored to audit)"
         return f"CLEAN: {n} restored tensor(s) of {self.hits} hit(s) read exactly what the run saved"
@@ -127,6 +147,7 @@ class AuditResult:
             out.append(f"not checkable: {self.unchecked_count} restored tensor(s) "
                        "(the trace holds no write of the value they restore)")
             out += [f"  {u}" for u in self.unchecked]
+        out += [f"warning: {w}" for w in self.warnings]
         for i, f in enumerate(self.findings[:20], 1):
             out.append(f"finding {i} ({f.check}): {f.report_text()}")
         if len(self.findings) > 20:
@@ -138,7 +159,7 @@ class AuditResult:
         return jsonable({
             "statediff": "audit",
             "exit_code": self.exit_code,
-            "verdict": "violation" if self.findings else "clean",
+            "verdict": self.verdict,
             "headline": self.headline(),
             "trace": self.path,
             "first": None if first is None else {
@@ -152,4 +173,5 @@ class AuditResult:
             "hits": self.hits,
             "requests": self.requests,
             "incomplete": self.incomplete,
+            "warnings": list(self.warnings),
         })

@@ -24,7 +24,8 @@ def audit_cmd(ctx: click.Context, trace: Path, as_json: bool) -> None:
     allocation. Digests only: works on '--keep none' traces, in any chunking.
     Names the first violation (request, position, layer, tensor), which
     request and step wrote the expected value, and what the restored value
-    matches instead. Exit 0 clean, 1 violation, 2 error.
+    matches instead. Exit 0 clean, 1 violation, 2 error or NOT CHECKED (requests
+    hit the prefix cache but no restored tensor was checkable: nothing vouched for).
     """
     from statediff.audit import audit_trace
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -65,10 +66,14 @@ def compare_pair(hit: Path, cold: Path, options: Any, **kw: Any) -> Any:
     Returns:
         the ``CompareResult``.
     Raises:
-        StatediffError: the same trace twice; as ``compare`` otherwise.
+        StatediffError: ``--noise-factor`` without ``--noise``; the same trace twice; as ``compare``
+            otherwise.
     """
     from statediff.diff import compare as compare_mod
 
+    if options.noise_factor is not None and options.noise is None:
+        raise StatediffError(f"--noise-factor {options.noise_factor:g} needs --noise NOISE.json: it multiplies the "
+                             "calibrated envelopes, and without --noise nothing would use it")
     if _same_file(hit, cold):
         raise StatediffError(f"{hit} and {cold} are the same file: give a cache-hit trace and a cold trace "
                              "of the same conversation")
@@ -106,6 +111,8 @@ def compare_options(f: Callable) -> Callable:
                 strict_hits: bool, **kw: Any) -> Any:
         from statediff.incident.reproduce import CompareOptions
 
+        if noise_factor is not None and not (math.isfinite(noise_factor) and noise_factor > 0):
+            raise StatediffError(f"--noise-factor must be a finite number above 0, not {noise_factor:g}")
         options = CompareOptions(tol=tuple(tol), noise=None if noise is None else str(noise),
                                  noise_factor=noise_factor, allow_engine_mismatch=allow_engine_mismatch,
                                  allow_noise_in_exact=allow_noise_in_exact, allow_incomplete=allow_incomplete,

@@ -19,8 +19,11 @@ def verify_cmd(ctx: click.Context, target: Path, as_json: bool) -> None:
     Every chunk is decoded and every tensor's bytes are hashed against the
     index; its fingerprint (NaN/Inf counts, min, max, moments) and summary
     (digests, moments, sketch) are recomputed from the data. Prints what is
-    intact and names each damaged tensor by its key. Exit 0 intact, 1 a
-    tensor is damaged, 2 unreadable (the trace cannot be opened).
+    intact and names each damaged tensor by its key. For BUNDLE.zip each
+    member's size and SHA-256 are also checked against its manifest (a
+    mismatch is damage). Exit 0 intact, 1 a tensor or bundle member is
+    damaged, 2 unreadable (the trace cannot be opened, or the bundle is
+    refused: docs/bundles.md).
     """
     from statediff.verify import verify
 

@@ -7,13 +7,14 @@ The envelopes it learns are ``noise.Envelope`` rows written as a noise file
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import json
 from pathlib import Path
 from typing import Any
 
 from statediff.errors import StatediffError
 from statediff.jsonutil import jsonable
-from statediff.trace.reader import open_trace
+from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import IDENTITY_KEYS
 
 from .align import align, check_comparable, stream_part
@@ -58,6 +59,36 @@ class CalibrateResult:
         return "\n".join(lines)
 
 
+def refuse_copies(a_path: str | Path, b_path: str | Path) -> None:
+    """Refuse two files with the same bytes: a copy differs from its original by nothing, so it
+    calibrates a noise floor of zero (every real run's rounding would then diverge).
+
+    Raises:
+        StatediffError: both are files and byte-identical.
+    """
+    a, b = Path(a_path), Path(b_path)
+    if a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and filecmp.cmp(a, b, shallow=False):
+        raise StatediffError(f"{a_path} and {b_path} are byte-identical copies of one trace: calibration needs "
+                             "two cold runs recorded apart (their differences are the noise)")
+
+
+def refuse_uncalibratable(a: Trace, b: Trace, names: tuple[Any, Any]) -> None:
+    """Refuse runs that cannot calibrate noise: a hit run (its differences from a cold run are what
+    ``compare`` judges, not noise), or two copies of one recording (identical run metadata,
+    creation time included).
+
+    Raises:
+        StatediffError: one of the above.
+    """
+    for t, name in zip((a, b), names):
+        if t.run.get("mode") not in (None, "cold"):
+            raise StatediffError(f"{name} is a {t.run.get('mode')} run (mode {t.run.get('mode')}): calibration "
+                                 "needs two cold runs ('statediff record --mode cold', recorded apart)")
+    if a.run.get("created_unix") is not None and a.run == b.run:
+        raise StatediffError(f"{names[0]} and {names[1]} are copies of the same trace (identical run metadata, "
+                             "recorded at the same time): calibration needs two cold runs recorded apart")
+
+
 def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = None) -> CalibrateResult:
     """Measure the benign differences of two legitimate cold runs.
 
@@ -67,14 +98,14 @@ def calibrate(a_path: str | Path, b_path: str | Path, out: str | Path | None = N
 
     Raises:
         TraceError, MismatchError: unreadable or incomparable traces.
-        StatediffError: the output file cannot be written.
+        StatediffError: what cannot calibrate noise (``refuse_uncalibratable``); the output file
+            cannot be written.
     """
+    refuse_copies(a_path, b_path)
     with open_trace(a_path) as a, open_trace(b_path) as b:
+        refuse_uncalibratable(a, b, (a_path, b_path))
         warnings = check_comparable(a, b, names=("first", "second"),
                                     mismatch_hint="calibrate two cold runs of the same model and config")
-        for t in (a, b):
-            if t.run.get("mode") not in (None, "cold"):
-                warnings.append(f"{t.path} is a {t.run.get('mode')!r} run, not a cold run")
         plan = align(a.entries, b.entries)
         parts = {i: stream_part(a.requests, b.requests, i) for i in set(a.requests) | set(b.requests)}
         envs: dict[tuple[int, str], Envelope] = {}

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from statediff.errors import MismatchError, NotComparableError, StatediffError
 from statediff.replay.hits import account_run
+from statediff.trace.damage import DamageCheck
 from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import DigestEntry
 from statediff.trace.summary import Summary, estimate_l2, l2_budget
@@ -111,9 +112,7 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
         parts = {i: p for i in indices if (p := stream_part(traces.hit.requests, traces.cold.requests, i)) is not None}
         digests = DigestCache()
         judged = _judge(plan, traces, policy, parts, digests, progress, stop_at_first)
-        if judged.no_envelope:
-            warnings.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
-                            f"{'bit identity' if exact else 'dtype defaults'}")
+        warnings += _judging_warnings(judged, exact)
         divergences = _divergences(judged.found, classify(judged.found, traces.hit.requests))
         out_tol = OutputTolerance(exact=exact and model is None)
         rows, hit_findings = _hits(traces, _requests(traces, indices, parts, out_tol))
@@ -135,6 +134,16 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
             band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok))
+
+
+def _judging_warnings(judged: "_Judging", exact: bool) -> list[str]:
+    """What judging found worth a warning: damaged data under a verdict that did not decode it
+    (``statediff.trace.damage``), pairs without a noise envelope."""
+    out = judged.damage.warnings()
+    if judged.no_envelope:
+        out.append(f"{judged.no_envelope} pairs have no envelope in the noise file: judged by "
+                   f"{'bit identity' if exact else 'dtype defaults'}")
+    return out
 
 
 def _incomplete(paths: Pair, traces: Pair[Trace], allow: bool) -> tuple[str, ...]:
@@ -233,6 +242,7 @@ class _Judging:
     band_noise: int = 0  # default replay: beyond the dtype default, within the noise model (band.py)
     band_unsure: list[tuple] = dataclasses.field(default_factory=list)
     band_ok: bool = True  # the noise model may judge this pair (one engine version)
+    damage: DamageCheck = dataclasses.field(default_factory=DamageCheck)  # data under unread verdicts
 
     def by_band(self, c: Entry, rel_l2: float | None, high: float | None = None) -> bool:
         """Whether the noise model (``band``) clears a default-replay pair of relative L2 error ``rel_l2``
@@ -270,6 +280,8 @@ def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, Str
             f = _judge_digest(p, traces, tol, digests, j, use_band)
         else:
             f = _judge_values(p, hit, cold, tol, j, use_band)
+            if f is None and p.hit.hash == c.hash and p.hit.dtype == c.dtype:  # judged by hash: data unread
+                j.damage.check_pair(hit, p.hit, cold, c)
         if f is not None:
             j.found.append(f)
     return j

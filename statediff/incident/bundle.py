@@ -5,7 +5,7 @@ A bundle (``bundle.zip`` -> folder ``bundle/``) holds ``hit.h5`` and
 request record), ``report.md``, ``heatmap.png``, ``replay.jsonl``, an
 optional ``noise.json`` and ``manifest.json``; docs/bundles.md describes
 each member and the checks made before the zip is moved into place.
-``open_bundle`` reads only the known members, size-checked, under fixed names.
+``open_bundle`` (``unpack.py``) checks a bundle from a stranger before any member is used.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from statediff.diff.result import CompareResult, Divergence, no_data_text
-from statediff.errors import StatediffError, first_line
+from statediff.errors import StatediffError
 from statediff.jsonutil import jsonable
 from statediff.replay.command import focus_lines
 from statediff.trace.reader import Trace, open_trace
@@ -34,14 +34,14 @@ from statediff.trace.writer import TraceWriter
 from .record import build_report
 from .reproduce import CompareOptions
 from .select import Entry, Kept, Selection, select
+from .unpack import FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, rename, sha256_file
 
-FORMAT = "statediff.bundle"
-VERSION = 1
+__all__ = ["FORMAT", "MEMBERS", "VERSION", "Bundle", "BundleResult", "compare_bundle", "looks_like_bundle",
+           "open_bundle", "write_bundle"]
+
 GITHUB_LIMIT_MB = 25.0  # GitHub's limit for a file attached to an issue or comment
 MB = 1_000_000  # GitHub counts decimal megabytes
-MAX_MEMBER_BYTES = 4 << 30  # open_bundle refuses members declaring more (zip bombs)
 RAW_FACTOR = 20  # refuse before reading when the selection's raw bytes exceed this x max_mb
-MEMBERS = ("hit.h5", "cold.h5", "report.md", "heatmap.png", "replay.jsonl", "noise.json", "manifest.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +215,10 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     Returns:
         ``out`` as a Path.
     Raises:
-        StatediffError: one of the above, or ``max_mb`` not positive.
+        StatediffError: one of the above, or ``max_mb`` not finite and above 0.
     """
+    if not (math.isfinite(max_mb) and max_mb > 0):
+        raise StatediffError(f"--max-mb must be a finite number of MB above 0, not {max_mb:g}")
     out = Path(out)
     if out.suffix.lower() != ".zip":
         raise StatediffError(f"bundle {out}: the output must be a .zip file")
@@ -232,8 +234,6 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     except OSError as e:
         raise StatediffError(f"cannot write bundle {out}: directory {parent} is not writable "
                              f"({e.strerror or e})") from None
-    if not max_mb > 0:
-        raise StatediffError(f"--max-mb must be positive, not {max_mb:g}")
     return out
 
 
@@ -247,7 +247,8 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
     tensors and check the copies (``_write_traces``: fingerprints, and
     ``compare`` on the extracted pair, with ``options``, names the same root
     and diagnosis); the other members (``_write_members``); the zip, checked
-    against ``max_mb`` (``_fits``); then move it into place.
+    against ``max_mb`` (``_fits``) and opened as a reader would (``_opens``:
+    ``open_bundle``'s checks); then move it into place.
 
     Args:
         result: ``compare`` of the full traces, run with ``options``.
@@ -286,6 +287,7 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
             tmp_zip = Path(tmp) / "bundle.zip"
             members = _write_zip(tmp_zip, d, folder)
             size = _fits(tmp_zip, members, max_mb, hint=bool(neighbours or siblings))
+            verified.append(_opens(tmp_zip, out))
             try:
                 os.replace(tmp_zip, out)
             except OSError as e:
@@ -369,7 +371,9 @@ def _write_members(result: CompareResult, sel: Selection, d: Path, folder: str, 
     (d / "report.md").write_text(report.to_markdown(), encoding="utf-8")
     noise = options.noise is not None
     noise_name = "noise.json" if noise else None
-    manifest = {"format": FORMAT, "version": VERSION, "folder": folder,
+    members = {name: {"bytes": (d / name).stat().st_size, "sha256": sha256_file(d / name)}
+               for name in MEMBERS if name != "manifest.json" and (d / name).exists()}
+    manifest = {"format": FORMAT, "version": VERSION, "folder": folder, "members": members,
                 "root": list(sel.root), "diagnosis": diag,
                 "compare_options": options.argv(noise_name and f"{folder}/noise.json"),
                 "tol": list(options.tol), "noise": noise_name,
@@ -389,6 +393,17 @@ def _fits(zip_path: Path, members: list[tuple[str, int]], max_mb: float, hint: b
         raise StatediffError(f"the bundle would be {_size(size)}, over --max-mb {max_mb:g} ({parts})"
                              + ("; try --no-neighbours" if hint else ""))
     return size
+
+
+def _opens(zip_path: Path, out: Path) -> str:
+    """The zip written must pass every check a reader makes (``open_bundle``); one verified line."""
+    try:
+        with open_bundle(zip_path):
+            pass
+    except StatediffError as e:
+        raise StatediffError(f"internal check failed: bundle {out} would not open: "
+                             f"{str(e).replace(str(zip_path), str(out))}") from None
+    return "the zip opens as a bundle: members, sizes, SHA-256 hashes, root and kept tensors checked"
 
 
 def _check_same(full: CompareResult, part: CompareResult) -> None:
@@ -421,97 +436,6 @@ def _write_zip(path: Path, d: Path, folder: str) -> list[tuple[str, int]]:
     return members
 
 
-@dataclasses.dataclass(frozen=True)
-class Bundle:
-    """An unpacked bundle: paths of its traces (and noise file) plus its manifest."""
-
-    path: str
-    hit: Path
-    cold: Path
-    noise: Path | None
-    manifest: dict
-
-
-def looks_like_bundle(path: str | os.PathLike) -> bool:
-    """True when ``path`` is meant as a bundle: named ``*.zip``, or a zip file whatever its name.
-
-    ``compare`` with one argument opens such a path with ``open_bundle``, whose
-    refusal then says what is wrong with the zip (missing, damaged, not a bundle).
-    """
-    p = Path(path)
-    return p.suffix.lower() == ".zip" or (p.is_file() and zipfile.is_zipfile(p))
-
-
-@contextlib.contextmanager
-def open_bundle(path: str | os.PathLike) -> Iterator[Bundle]:
-    """Unpack a bundle's traces (and noise file) into a temporary directory.
-
-    Only the members named in ``MEMBERS`` under the manifest's folder are
-    read, each at most ``MAX_MEMBER_BYTES`` and written under a fixed name,
-    so a hostile zip cannot write elsewhere or fill the disk.
-
-    Raises:
-        StatediffError: not a zip, no ``manifest.json``, another format or a
-            newer version, a missing trace member, or an oversized member.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise StatediffError(f"bundle {p} does not exist")
-    if not p.is_file():
-        raise StatediffError(f"bundle {p} is not a file (a bundle is the .zip 'statediff extract' writes)")
-    try:
-        z = zipfile.ZipFile(p)
-    except zipfile.BadZipFile as e:
-        raise StatediffError(f"bundle {p} is not a readable zip file: damaged, truncated or not a zip "
-                             f"({first_line(e)})") from None
-    except OSError as e:
-        raise StatediffError(f"bundle {p}: cannot read ({e.strerror or first_line(e)})") from None
-    with z, tempfile.TemporaryDirectory(prefix="statediff-bundle-") as tmp:
-        infos = {i.filename: i for i in z.infolist()}
-        manifests = [n for n in infos if n.count("/") == 1 and n.endswith("/manifest.json")]
-        if len(manifests) != 1:
-            raise StatediffError(f"{p} is not a statediff bundle (no single <folder>/manifest.json; "
-                                 "write one with 'statediff extract')")
-        folder = manifests[0].split("/")[0]
-
-        def member(name: str, required: bool = True) -> Path | None:
-            info = infos.get(f"{folder}/{name}")
-            if info is None:
-                if required:
-                    raise StatediffError(f"bundle {p} has no {folder}/{name}")
-                return None
-            if info.file_size > MAX_MEMBER_BYTES:
-                raise StatediffError(f"bundle {p}: {info.filename} declares {info.file_size} bytes "
-                                     f"(limit {MAX_MEMBER_BYTES})")
-            dst = Path(tmp) / name
-            try:
-                with z.open(info) as src, open(dst, "wb") as f:
-                    copied = 0
-                    while chunk := src.read(1 << 20):
-                        copied += len(chunk)
-                        if copied > info.file_size:
-                            raise StatediffError(f"bundle {p}: {info.filename} is longer than it declares")
-                        f.write(chunk)
-            except (OSError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
-                raise StatediffError(f"bundle {p}: cannot read {info.filename}, the zip is damaged "
-                                     f"({first_line(e)})") from None
-            return dst
-
-        mpath = member("manifest.json")
-        try:
-            manifest = json.loads(mpath.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            raise StatediffError(f"bundle {p}: manifest.json is not valid JSON") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise StatediffError(f"{p} is not a statediff bundle (manifest format "
-                                 f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-        version = manifest.get("version")
-        if not isinstance(version, int) or version > VERSION:
-            raise StatediffError(f"bundle {p} has version {version!r}; this statediff reads up to {VERSION}")
-        yield Bundle(str(p), member("hit.h5"), member("cold.h5"),
-                     member("noise.json", required=False) if manifest.get("noise") else None, manifest)
-
-
 def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOptions(),
                    **kw: Any) -> CompareResult:
     """``compare`` the two traces of a bundle, with the bundle's own options unless given.
@@ -542,6 +466,11 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
             raise StatediffError(f"bundle {path} holds only the tensors around its root, a subset of the traces: "
                                  f"{' and '.join(changed)} would judge tensors it does not hold; compare the "
                                  "original traces with them (the bundle keeps the options it was extracted with)")
+        own_factor = m.get("noise_factor")
+        if own_factor is not None and not (isinstance(own_factor, (int, float)) and not isinstance(own_factor, bool)
+                                           and math.isfinite(own_factor) and own_factor > 0):
+            raise StatediffError(f"bundle {path}: its manifest's noise_factor {own_factor!r} is not a finite "
+                                 "number above 0")
         tol = options.tol or own_tol
         noise, factor = options.noise, options.noise_factor
         if noise is None and b.noise is not None:
@@ -551,8 +480,28 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
         flags = {key: getattr(options, key) or m.get(key) is True for key in CompareOptions.FLAGS}
         used = CompareOptions(tol=tuple(tol), noise=noise, noise_factor=factor, **flags)
         result = compare(b.hit, b.cold, **used.kwargs(), **kw)
-    folder = m.get("folder") or b.hit.parent.name
-    # the traces were unpacked to a temporary directory: name them by the zip instead
+        _check_root(b, result)
+        # the traces were unpacked to a temporary directory: name them by the zip instead
+        warnings = []
+        for w in result.warnings:
+            w = rename(w, b.hit.parent, b)
+            for n in ("hit.h5", "cold.h5"):  # verify takes the bundle, not a member
+                w = w.replace(f"'statediff verify {b.name(n)}'", f"'statediff verify {b.path}'")
+            warnings.append(w)
+        policy = rename(result.policy, b.hit.parent, b)  # "noise file <tmp>/noise.json (...)"
     return dataclasses.replace(
-        result, hit=dataclasses.replace(result.hit, path=f"{path}:{folder}/hit.h5"),
-        cold=dataclasses.replace(result.cold, path=f"{path}:{folder}/cold.h5"))
+        result, hit=dataclasses.replace(result.hit, path=b.name("hit.h5")),
+        cold=dataclasses.replace(result.cold, path=b.name("cold.h5")), warnings=warnings, policy=policy)
+
+
+def _check_root(b: Bundle, result: CompareResult) -> None:
+    """``compare`` on the bundle must name the root its manifest names (``extract`` checked that
+    before writing it): anything else is a tampered or damaged bundle, refused rather than judged."""
+    want = tuple(b.manifest["root"])
+    got = result.first
+    if got is None or got.key != want:
+        found = "no divergence" if got is None else f"the first divergence at {got.where()}"
+        raise StatediffError(
+            f"bundle {b.path}: compare finds {found}, but its manifest names the root at request {want[0]}, "
+            f"position {want[1]}, layer {want[2]}, {want[3]}: the bundle is not what 'statediff extract' "
+            f"checked (run 'statediff verify {b.path}')")

@@ -290,11 +290,28 @@ def _run_key(key: str) -> Callable[[_Sides], str]:
     return lambda c: _known(c.run.get(key))
 
 
-def _quantization(c: _Sides) -> str:
-    quant = c.run.get("quantization")
+def quantization_text(run: dict) -> str:
+    """The run's quantization format as ``report`` and ``inspect`` both show it: the recorded
+    format; "none (unquantized)" for a recorded ``"none"`` or a null from an engine that always
+    records it (``ENGINES_RECORDING_CONFIG``); else "unknown"."""
+    quant = run.get("quantization")
     if quant not in (None, "none"):
         return str(quant)
-    return "none (unquantized)" if quant == "none" or _records_config(c.run) else UNKNOWN
+    return "none (unquantized)" if quant == "none" or _records_config(run) else UNKNOWN
+
+
+def speculative_text(run: dict) -> str:
+    """The run's speculative method as ``inspect`` shows it, in ``report``'s words (its "drafter
+    method" row): the method; "none (no speculative decoding)" for a recorded ``"none"`` or a null
+    from an engine that always records it (``ENGINES_RECORDING_CONFIG``); else "unknown"."""
+    method, _, on = _spec(run)
+    if method:
+        return str(method)
+    return "none (no speculative decoding)" if on is False else UNKNOWN
+
+
+def _quantization(c: _Sides) -> str:
+    return quantization_text(c.run)
 
 
 def _no_drafter(c: _Sides, known: str | None, none: str = "none (no speculative decoding)") -> str:

@@ -222,6 +222,28 @@ class Trace:
                 f"{self.path}: tensor {e.dataset} ({e.label()}) is damaged: "
                 "its bytes do not match the hash in the index")
 
+    def stored_frames(self, e: TensorEntry) -> Iterator[bytes]:
+        """The stored bytes of ``e`` as they lie on disk, undecoded: each chunk's compressed frame
+        in grid order (unchunked: the raw bytes, in pieces of at most 1 MiB). For comparing two
+        tensors' storage without decoding it (``statediff.diff.damage``).
+
+        Raises:
+            TraceError: a chunk that is not stored or does not fit its place (as ``read``).
+        """
+        stored = self._stored(e)
+        f = stored.frames
+        if f.chunk is None:
+            if f.inline is not None:
+                yield f.inline
+                return
+            for at in range(0, f.sizes[0], 1 << 20):
+                yield stored.data.pread(f.offsets[0] + at, min(1 << 20, f.sizes[0] - at), stored.where)
+            return
+        for at, size in zip(f.offsets, f.sizes):
+            if at < 0 or size <= 0 or size > stored.max_frame or at + size > stored.file_size:
+                raise TraceError(f"{stored.where}: a stored chunk of {size} bytes at {at} does not fit")
+            yield stored.data.pread(at, size, stored.where)
+
     def storage_bytes(self) -> int:
         """Bytes the tensor datasets take on disk (compressed); damaged ones count 0."""
         total = 0

@@ -67,7 +67,7 @@ def test_every_command_says_what_it_does():
         "  calibrate  Learn the noise floor of two cold runs (NOISE.json).",
         "  compare    Name the first divergent tensor of HIT vs COLD.",
         "  extract    Write the smallest bundle (.zip) that shows the root.",
-        "  inspect    Show what a trace holds: run, requests, tensors, sizes.",
+        "  inspect    Show what a trace (or bundle) holds: run, requests, tensors, sizes.",
         "  recover    Make one trace file of an interrupted recording.",
         "  report     Write the incident record (Markdown) of HIT vs COLD.",
         "  verify     Read every tensor of a trace or bundle and check its data."]

@@ -52,11 +52,55 @@ def test_calibrate_suggests_nothing_it_does_not_have(traces, tmp_path):
     assert "--allow-engine-mismatch" not in line
 
 
-def test_calibrate_warns_on_stderr(traces, tmp_path):
+def test_calibrate_refuses_a_hit_run(traces, tmp_path):
+    """A hit run cannot calibrate noise (its differences from a cold run are what compare judges);
+    this used to be a warning and a noise file."""
     r = run("calibrate", traces["hit"], traces["cold"], "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {traces['hit']} is a hit run (mode hit): calibration needs two cold runs "
+        "('statediff record --mode cold', recorded apart)"])
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_refuses_byte_copies(traces, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy.h5"
+    shutil.copyfile(traces["cold"], copy)
+    r = run("calibrate", traces["cold"], copy, "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {traces['cold']} and {copy} are byte-identical copies of one trace: calibration "
+        "needs two cold runs recorded apart (their differences are the noise)"])
+    assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_warns_on_stderr(traces, tmp_path):
+    r = run("calibrate", traces["cold"], traces["cold_b"], "-o", tmp_path / "n.json")
     assert r.exit_code == 0
-    assert f"statediff: warning: {traces['hit']} is a 'hit' run, not a cold run" in r.stderr.splitlines()
     assert "warning" not in r.stdout
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_noise_factor_must_be_finite_and_above_zero(traces, value):
+    r = run("compare", traces["hit"], traces["cold"], "--noise-factor", value)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: --noise-factor must be a finite number above 0, not {value}"])
+
+
+@pytest.mark.parametrize("command", ["compare", "report", "extract"])
+def test_noise_factor_without_noise_is_refused(traces, tmp_path, command):
+    extra = ["-o", tmp_path / "b.zip"] if command == "extract" else []
+    r = run(command, traces["hit"], traces["cold"], "--noise-factor", "8", *extra)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        "statediff: error: --noise-factor 8 needs --noise NOISE.json: it multiplies the calibrated envelopes, "
+        "and without --noise nothing would use it"])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5"])
+def test_extract_max_mb_must_be_finite_and_above_zero(traces, tmp_path, value):
+    r = run("extract", traces["hit"], traces["cold"], "-o", tmp_path / "b.zip", "--max-mb", value)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: --max-mb must be a finite number of MB above 0, not {value}"])
 
 
 def test_inspect_says_what_an_empty_field_means_where_the_run_says_it(tmp_path):
@@ -96,3 +140,28 @@ def test_a_full_stdout_is_one_line(traces):
                            stderr=subprocess.PIPE, text=True, timeout=120)
     assert (r.returncode, r.stderr.splitlines()) == (2, [
         "statediff: error: cannot write the output: No space left on device"])
+
+
+@pytest.mark.parametrize("engine,quant,shown", [("vllm", None, "none (unquantized)"),
+                                                ("synthetic", "none", "none (unquantized)"),
+                                                ("synthetic", None, "unknown"), ("vllm", "fp8", "fp8")])
+def test_inspect_and_report_say_the_same_quantization(tmp_path, engine, quant, shown):
+    """report said "none (unquantized)" where inspect said "unknown" for the same vLLM trace."""
+    hit = write_trace(tmp_path / "h.h5", "hit", engine=engine, quantization=quant)
+    cold = write_trace(tmp_path / "c.h5", "cold", engine=engine, quantization=quant)
+    assert f"  quantization           {shown}" in run("inspect", hit).stdout.splitlines()
+    report = run("report", hit, cold).stdout
+    assert f"| quantization format | {shown} |" in report.splitlines()
+
+
+@pytest.mark.parametrize("engine,method,shown", [("vllm", None, "none (no speculative decoding)"),
+                                                 ("synthetic", "none", "none (no speculative decoding)"),
+                                                 ("synthetic", None, "unknown")])
+def test_inspect_and_report_say_the_same_speculative_method(tmp_path, engine, method, shown):
+    run_fields = dict(engine=engine, speculative_method=method, num_speculative_tokens=None)
+    hit = write_trace(tmp_path / "h.h5", "hit", **run_fields)
+    cold = write_trace(tmp_path / "c.h5", "cold", **run_fields)
+    lines = run("inspect", hit).stdout.splitlines()
+    assert f"  speculative_method     {shown}" in lines
+    assert f"  num_speculative_tokens {'unknown' if shown == 'unknown' else '0 (no drafter)'}" in lines
+    assert f"| drafter method | {shown} |" in run("report", hit, cold).stdout.splitlines()
