@@ -129,6 +129,10 @@ def register() -> None:
         _note_uncaught_exceptions()  # every process: the front end of a multi-process engine too
     for point, factory in CAPTURE_HOOKS:
         _patch(point, factory)
+    try:  # the rows the drafter model receives inside the proposer (proposer_v1.py)
+        _patch(surface.PROPOSER_FIRST_PASS, _around(after=lambda cap, a, out: cap.after_first_pass(a, out)))
+    except (ImportError, AttributeError):
+        pass  # no such proposer in this vLLM: the role is not recorded
     _patch(surface.INITIALIZE_KV_CACHE, _check_fault_after)  # refuse a fault that cannot act
     if os.environ.get("STATEDIFF_TRACE"):  # each KV-cache group's final hit (statediff audit)
         from statediff_hooks.vllm.group_hits_v1 import wrap_get_computed_blocks
