@@ -104,7 +104,8 @@ CAPTURE_HOOKS: tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...] = (
     (surface.PREPARE_INPUTS, _around(lambda cap, a: cap.before_prepare_inputs(),
                                      lambda cap, a, out: cap.after_prepare_inputs())),
     (surface.PREPROCESS_MAMBA, _around(after=lambda cap, a, out: cap.after_preprocess_mamba(a["mamba_state_idx"]))),
-    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a))),  # spec_v1.py
+    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a),  # spec_v1.py
+                                    lambda cap, a, out: cap.after_propose(out))),
     # inside the forward context, before the kernels: first chunks' GDN metadata (statediff audit)
     (surface.MODEL_FORWARD, _around(lambda cap, a: cap.before_forward())),
 )

@@ -122,13 +122,19 @@ class ProposerCapture:
         self.spec.layout = None
         if not layout:
             return
-        num_tokens, cad = int(out[0]), out[2]
-        qsl = [int(x) for x in cad.query_start_loc_cpu[:len(layout) + 1].tolist()]
+        try:  # the internals read (vLLM 0.32); another version's proposer may lack them
+            num_tokens, cad = int(out[0]), out[2]
+            qsl = [int(x) for x in cad.query_start_loc_cpu[:len(layout) + 1].tolist()]
+            hidden = proposer.hidden_states[:num_tokens]
+            positions = proposer._get_positions(num_tokens)
+        except (AttributeError, TypeError, IndexError) as e:
+            self.unsupported = f"the proposer's buffers are not where vLLM 0.32 keeps them ({type(e).__name__}: {e})"
+            self.rec.set_run(drafter=self.spec.run_drafter(model_input=None, model_input_why=self.unsupported))
+            self.spec.proposer = None  # read no further
+            return
         if len(qsl) != len(layout) + 1 or qsl[-1] > num_tokens:
             raise RuntimeError(f"proposer capture: {len(qsl) - 1} requests in the drafter batch, "
                                f"{len(layout)} in the runner's")
-        hidden = proposer.hidden_states[:num_tokens]
-        positions = proposer._get_positions(num_tokens)
         rows: list[tuple[int, Any]] = []  # (row, StepReq)
         for i, (sr, n, verified) in enumerate(layout):
             start, end = qsl[i], qsl[i + 1]

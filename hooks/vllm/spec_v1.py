@@ -100,6 +100,8 @@ class SpecCapture:
         self.window = WINDOW
         self.acc: dict[int, Acceptance] = {}
         self.steps: dict[int, list] = {}
+        self.calls: dict[int, list] = {}  # request -> [[position, [draft ids], discarded], ...] (after_propose)
+        self.call_layout: list[tuple[Any, int, int]] | None = None
         f = self.rec.config.fault
         if f is not None and f.name == "drafter-perturb" and (not self.layers or (
                 f.layer is not None and f.layer not in self.layers)):
@@ -177,8 +179,30 @@ class SpecCapture:
                               if keep_row(sr.start + j + 1, sr.prompt_len, self.block_size, self.window)]
             offset += n
         self.layout = layout  # read by the proposer's hook inside this call (proposer_v1.py)
+        self.call_layout = layout  # read by after_propose (the drafts this call returns)
         if picks:
             self._record(feats, picks)
+
+    def after_propose(self, drafts: Any) -> None:
+        """The drafts this drafter call returned, for every request of the batch, whether the scheduler
+        uses them or not (a request still in prefill: its drafts are discarded).
+
+        ``drafts``: ``propose_draft_token_ids``'s result, ``[num_reqs, K]`` (tensor or lists) in batch order.
+        Appends ``[position, [draft ids], discarded]`` to the request field ``draft_calls``: ``position`` =
+        tokens of the request whose rows were verified after the step (the drafter's context);
+        ``discarded`` = the step ended inside the prompt.
+        """
+        layout, self.call_layout = self.call_layout, None
+        if not layout or drafts is None:
+            return
+        rows = _rows(drafts)
+        for i, (sr, _n, verified) in enumerate(layout):
+            if sr is None or i >= len(rows):
+                continue
+            end = sr.start + verified
+            calls = self.calls.setdefault(sr.index, [])
+            calls.append([end, [int(t) for t in rows[i]], end < sr.prompt_len])
+            self.rec.set_request(sr.index, draft_calls=calls)
 
     def after_first_pass(self, args: dict[str, Any], out: Any) -> None:
         """The proposer filled the drafter model's inputs (``proposer_v1.ProposerCapture``)."""

@@ -45,7 +45,7 @@ from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
-from .drafts import DraftDiff, first_draft_diff
+from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
                      InputsDiffer, RequestRow, SketchJudgement, TraceSide, Unpaired)
@@ -463,8 +463,8 @@ def _requests(traces: Pair[Trace], indices: list[int], parts: dict[int, StreamPa
 
 
 def _drafts(traces: Pair[Trace], indices: list[int]) -> DraftDiff | None:
-    """Exact replay: the first verification step whose drafts differ (``drafts.first_draft_diff``)."""
-    return next((d for i in indices if (d := first_draft_diff(traces.map(lambda t: t.requests.get(i)), i))), None)
+    """Exact replay: the first verification step or drafter call whose drafts differ (``drafts.first_drafts_diff``)."""
+    return next((d for i in indices if (d := first_drafts_diff(traces.map(lambda t: t.requests.get(i)), i))), None)
 
 
 def _hits(traces: Pair[Trace], rows: list[RequestRow]) -> tuple[list[RequestRow], tuple[str, ...]]:

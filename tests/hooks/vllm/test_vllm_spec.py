@@ -235,6 +235,25 @@ def test_drafter_shift_inside_the_proposer_is_named_as_the_drafter_model_input(s
 
 
 @pytest.mark.vllm
+def test_drafts_of_every_drafter_call_are_recorded_including_discarded_ones(spec_run):
+    """``draft_calls``: one entry per drafter call, also on each non-final prefill chunk (exact replay: one
+    block per step), whose drafts the scheduler discards; a hit run makes none inside its cached prefix."""
+    calls = {}
+    for name, starts in (("hit", HITS), ("cold", [0, 0, 0])):
+        with open_trace(spec_run[name]) as t:
+            for r in range(3):
+                req = t.requests[r]
+                c = calls[name, r] = req["draft_calls"]
+                discarded = [pos for pos, ids, d in c if d]
+                assert discarded == list(range(starts[r] + BLOCK, LENS[r], BLOCK)), (name, r)
+                assert all(len(ids) == K for _, ids, _ in c)
+                assert len(c) - len(discarded) == 1 + req["acceptance"]["num_drafts"]  # prefill end + each step
+    print("draft calls request 1 (hit)", calls["hit", 1][:2])
+    for r in range(3):  # the same drafts at every position both runs have
+        assert calls["hit", r] == [x for x in calls["cold", r] if x[0] > HITS[r]]
+
+
+@pytest.mark.vllm
 def test_drafter_row_at_position_q_is_the_hidden_state_of_token_q_minus_1(spec_run):
     """Compare recorded aux rows of request 0 with transformers' residual stream of the prompt."""
     import torch
