@@ -120,15 +120,17 @@ class SpecCapture:
         # the rows the drafter model receives inside the proposer (proposer_v1.py): hidden-state drafters
         self.layout: list[tuple[Any, int, int]] | None = None  # this call's (StepReq, rows, verified rows)
         self.proposer: ProposerCapture | None = None
-        model_input = None
-        if self.uses_hidden:
+        model_input, why = None, None
+        if sc.use_dflash():  # DFlashProposer overrides set_inputs_first_pass: its rows are remapped
+            why = "DFlash's proposer lays out its own rows (DFlashProposer.set_inputs_first_pass)"
+        elif self.uses_hidden:
             first = surface.drafter_first_layer(cap.layers, runner)
             self.proposer = ProposerCapture(self, first)
             model_input = {"kind": MODEL_INPUT_KIND, "role": PROPOSER_ROLE, "layer": first, "module": MODEL_INPUT_MODULE}
-        self.rec.set_run(drafter=self.run_drafter(model_input=model_input))
+        self.rec.set_run(drafter=self.run_drafter(model_input=model_input, **({"model_input_why": why} if why else {})))
         if f is not None and f.name == "drafter-shift" and self.proposer is None:
-            print(f"statediff: fault {f.spec} cannot fire: the drafter ({self.method}) is given no hidden states",
-                  file=sys.stderr, flush=True)
+            print(f"statediff: fault {f.spec} cannot fire: the {self.method} proposer's rows are not read "
+                  f"({why or 'its drafter is given no hidden states'})", file=sys.stderr, flush=True)
 
     def run_drafter(self, **fields: Any) -> dict[str, Any]:
         """Run metadata ``drafter``, with ``fields`` set (``model_input``: where the proposer's rows
