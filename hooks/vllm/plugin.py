@@ -58,6 +58,19 @@ def _patch(point: surface.PatchPoint, wrapper_factory: Callable[[Any], Any]) -> 
     setattr(owner, point.name, wrapper_factory(orig))
 
 
+def installed(point: surface.PatchPoint) -> bool:
+    """``point`` is wrapped in this process (an optional patch point may be missing in a vLLM version)."""
+    target = _target_or_none(point)
+    return target is not None and any(owner is target and name == point.name for owner, name, _ in _originals)
+
+
+def _target_or_none(point: surface.PatchPoint) -> Any:
+    try:
+        return point.target()
+    except ImportError:
+        return None
+
+
 def _around(before: Callable[[Any, dict], None] | None = None,
             after: Callable[[Any, dict, Any], None] | None = None, *, start: bool = False) -> Callable[[Any], Any]:
     """A wrapper factory for ``_patch``: the original, with the capture's hooks around it.

@@ -123,6 +123,8 @@ class SpecCapture:
         model_input, why = None, None
         if sc.use_dflash():  # DFlashProposer overrides set_inputs_first_pass: its rows are remapped
             why = "DFlash's proposer lays out its own rows (DFlashProposer.set_inputs_first_pass)"
+        elif self.uses_hidden and not _proposer_hooked():
+            why = "this vLLM has no SpecDecodeBaseProposer.set_inputs_first_pass (vllm/v1/spec_decode/llm_base_proposer.py)"
         elif self.uses_hidden:
             first = surface.drafter_first_layer(cap.layers, runner)
             self.proposer = ProposerCapture(self, first)
@@ -250,6 +252,13 @@ class SpecCapture:
         k = self.layers.index(layer)
         site = Site(sr.index, sr.hit, layer, self.modules[k], self.block_size, "drafter")
         planter.plant(site, FeatureRows(feats[k], offset, n))  # in place: the drafter reads these rows next
+
+
+def _proposer_hooked() -> bool:
+    """The plugin wrapped the proposer's ``set_inputs_first_pass`` in this process (``surface.PROPOSER_FIRST_PASS``)."""
+    from statediff_hooks.vllm import plugin  # imported here: the plugin imports this module's capture lazily
+
+    return plugin.installed(surface.PROPOSER_FIRST_PASS)
 
 
 def _rows(sampled: Any) -> list[list[int]]:
