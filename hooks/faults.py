@@ -42,6 +42,10 @@ FAULTS = {
     # speculative decoding (hooks/vllm/spec_v1.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
+    # inside the proposer (hooks/vllm/proposer_v1.py): the rows the drafter model receives, after the hand-off
+    "drafter-shift": ("drafter.model_input", 1, "the drafter model's input rows inside the proposer shifted by "
+                      "one token right after the hit (the row of token p holds token p+1's), after the runner "
+                      "handed them over"),
     # a request WITHOUT a hit (hooks/vllm/v1.py before_forward): its first chunk's GDN metadata says
     # "prior state" while its state slot holds another request's state (vLLM 0.29/0.30 read a recycled
     # slot for one-token first chunks classified as decodes; fixed in 0.31)
@@ -193,7 +197,7 @@ class FaultPlanter:
     Attributes:
         fired: None until the fault fired, then ``{"request", "position",
             "layer", "module", "kind", "description"}`` (+ ``"rows"`` for
-            ``drafter-perturb``; position ``hit + 1`` there, else ``hit``).
+            ``drafter-perturb`` and ``drafter-shift``; position ``hit + 1`` there, else ``hit``).
     """
 
     def __init__(self, spec: FaultSpec | None, note: Callable[..., None] | None = None) -> None:
@@ -219,8 +223,9 @@ class FaultPlanter:
             return False
         if f.layer is not None and f.layer != site.layer:
             return False
-        if (f.name == "drafter-kv-zero" and not site.drafter) or (f.name in KV_REMAPS and site.drafter):
-            return False  # drafter-kv-zero acts on the drafter's layers only, the KV remaps on the target's
+        if (f.name in ("drafter-kv-zero", "drafter-shift") and not site.drafter) or \
+                (f.name in KV_REMAPS and site.drafter):
+            return False  # drafter-kv-zero/-shift act on the drafter's own inputs and layers, the KV remaps on the target's
         if f.family == "first":
             return site.hit == 0
         return site.hit >= f.min_blocks * site.block_size
@@ -266,6 +271,11 @@ class FaultPlanter:
             rows.neg_()  # in place: the drafter reads these rows next
             position = site.hit + 1
             extra["rows"] = [site.hit + 1, site.hit + int(rows.shape[0])]
+        elif name == "drafter-shift":
+            rows = target.drafter_rows()  # [n + 1, H]: the n rows after the hit and the one after them
+            rows[:-1] = rows[1:].clone()  # in place: the drafter model reads these rows next
+            position = site.hit + 1
+            extra["rows"] = [site.hit + 1, site.hit + int(rows.shape[0]) - 1]
         elif name == "logits":
             row = target.logits_row()
             tok = int(row.argmax())

@@ -56,7 +56,7 @@ from statediff.replay.focus import focus_text
 POLICIES = ("hits", "all", "none")
 GDN_KINDS = ("gdn.conv_state", "gdn.ssm_state")
 KV_KINDS = ("attn.k", "attn.v")
-ROW_KINDS = ("drafter.input", "drafter.logits", "hidden")  # per-token rows: the window rule
+ROW_KINDS = ("drafter.input", "drafter.model_input", "drafter.logits", "hidden")  # per-token rows: the window rule
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -16,6 +16,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
+from statediff.trace.layers import drafter_layers
 from statediff.jsonutil import jsonable
 from statediff.trace.patches import describe_patches
 from statediff.trace.reader import open_trace
@@ -120,8 +121,10 @@ def _value(key: str, v: Any, run: dict[str, Any] | None = None) -> str:
     if v is None:
         return _known_none(key, run or {})
     if key == "layers" and isinstance(v, list):
+        own = drafter_layers(run or {})
         return f"{len(v)}: " + ", ".join(
-            f"{d.get('layer')} {d.get('type')}" + (" (drafter)" if d.get("drafter") else "")
+            f"{d.get('layer')} {d.get('type')}" + (f" (drafter layer {own[d['layer']]})" if d.get("drafter")
+                                                   and d.get("layer") in own else "")
             if isinstance(d, dict) else str(d) for d in v)
     if isinstance(v, (dict, list)):
         return json.dumps(v, sort_keys=True, default=str)

@@ -85,9 +85,9 @@ def test_a_flipped_byte_in_a_reference_trace_names_its_tensor(tmp_path, kind):
 SHAPES = {"gdn.conv_state": ((3, 64), "bfloat16"), "gdn.ssm_state": ((2, 32, 32), "float32"),
           "attn.k": ((16, 2, 64), "bfloat16"), "attn.v": ((16, 2, 64), "bfloat16"),
           "hidden": ((4, 96), "bfloat16"), "drafter.input": ((4, 128), "float32"),
-          "drafter.logits": ((4, 300), "float32")}
+          "drafter.model_input": ((4, 64), "bfloat16"), "drafter.logits": ((4, 300), "float32")}
 ROLE = {"attn.k": "kv_block", "attn.v": "kv_block", "hidden": "activation", "drafter.input": "drafter",
-        "drafter.logits": "drafter"}
+        "drafter.model_input": "proposer", "drafter.logits": "drafter"}
 
 
 def _array(kind: str, seed: int) -> np.ndarray:
@@ -130,7 +130,7 @@ def test_a_trace_with_every_kind_and_its_summaries_is_intact(kinds_trace):
     res = verify(kinds_trace)
     (check,) = res.traces
     assert res.exit_code == 0 and check.damaged == ()
-    assert (check.tensors, check.intact, check.summaries, check.digest_only) == (15, 15, 15, 1)
+    assert (check.tensors, check.intact, check.summaries, check.digest_only) == (17, 17, 17, 1)
     assert res.to_json()["traces"][0]["intact"] is True
 
 
@@ -144,7 +144,7 @@ def test_a_flipped_byte_in_any_kind_is_named(tmp_path, kinds_trace, kind):
     (check,) = res.traces
     assert res.exit_code == 1
     assert [(d.request, d.position, d.layer, d.kind, d.dataset) for d in check.damaged] == [(*key, dataset)]
-    assert check.intact == 14
+    assert check.intact == 16
 
 
 def test_a_flipped_byte_in_an_unchunked_tensor_is_named(tmp_path, kinds_trace):

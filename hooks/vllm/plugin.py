@@ -58,6 +58,19 @@ def _patch(point: surface.PatchPoint, wrapper_factory: Callable[[Any], Any]) -> 
     setattr(owner, point.name, wrapper_factory(orig))
 
 
+def installed(point: surface.PatchPoint) -> bool:
+    """``point`` is wrapped in this process (an optional patch point may be missing in a vLLM version)."""
+    target = _target_or_none(point)
+    return target is not None and any(owner is target and name == point.name for owner, name, _ in _originals)
+
+
+def _target_or_none(point: surface.PatchPoint) -> Any:
+    try:
+        return point.target()
+    except ImportError:
+        return None
+
+
 def _around(before: Callable[[Any, dict], None] | None = None,
             after: Callable[[Any, dict, Any], None] | None = None, *, start: bool = False) -> Callable[[Any], Any]:
     """A wrapper factory for ``_patch``: the original, with the capture's hooks around it.
@@ -104,7 +117,8 @@ CAPTURE_HOOKS: tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...] = (
     (surface.PREPARE_INPUTS, _around(lambda cap, a: cap.before_prepare_inputs(),
                                      lambda cap, a, out: cap.after_prepare_inputs())),
     (surface.PREPROCESS_MAMBA, _around(after=lambda cap, a, out: cap.after_preprocess_mamba(a["mamba_state_idx"]))),
-    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a))),  # spec_v1.py
+    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a),  # spec_v1.py
+                                    lambda cap, a, out: cap.after_propose(out))),
     # inside the forward context, before the kernels: first chunks' GDN metadata (statediff audit)
     (surface.MODEL_FORWARD, _around(lambda cap, a: cap.before_forward())),
 )
@@ -129,6 +143,10 @@ def register() -> None:
         _note_uncaught_exceptions()  # every process: the front end of a multi-process engine too
     for point, factory in CAPTURE_HOOKS:
         _patch(point, factory)
+    try:  # the rows the drafter model receives inside the proposer (proposer_v1.py)
+        _patch(surface.PROPOSER_FIRST_PASS, _around(after=lambda cap, a, out: cap.after_first_pass(a, out)))
+    except (ImportError, AttributeError):
+        pass  # no such proposer in this vLLM: the role is not recorded
     _patch(surface.INITIALIZE_KV_CACHE, _check_fault_after)  # refuse a fault that cannot act
     if os.environ.get("STATEDIFF_TRACE"):  # each KV-cache group's final hit (statediff audit)
         from statediff_hooks.vllm.group_hits_v1 import wrap_get_computed_blocks

@@ -74,6 +74,8 @@ from statediff_hooks.faults import Site
 from statediff_hooks.shared import DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, drafter_rows, keep_row
 from statediff_hooks.vllm import surface
 from statediff_hooks.vllm.faults_v1 import FeatureRows
+from statediff_hooks.vllm.proposer_v1 import MODEL_INPUT_KIND, MODULE as MODEL_INPUT_MODULE, PROPOSER_ROLE, \
+    ProposerCapture
 
 class SpecCapture:
     """Drafter inputs and acceptance for one V1 runner; owned by ``v1.V1Capture``."""
@@ -98,6 +100,8 @@ class SpecCapture:
         self.window = WINDOW
         self.acc: dict[int, Acceptance] = {}
         self.steps: dict[int, list] = {}
+        self.calls: dict[int, list] = {}  # request -> [[position, [draft ids], discarded], ...] (after_propose)
+        self.call_layout: list[tuple[Any, int, int]] | None = None
         f = self.rec.config.fault
         if f is not None and f.name == "drafter-perturb" and (not self.layers or (
                 f.layer is not None and f.layer not in self.layers)):
@@ -105,14 +109,36 @@ class SpecCapture:
                   f"{'no hidden states' if not self.layers else f'layers {self.layers}'}",
                   file=sys.stderr, flush=True)
         dm = getattr(sc, "draft_model_config", None)
-        self.rec.set_run(drafter={
+        self._drafter_run = {
             "method": self.method, "model": getattr(sc, "model", None),
             "architecture": (getattr(dm.hf_config, "architectures", None) or [None])[0] if dm else None,
             "num_speculative_tokens": sc.num_speculative_tokens,
             "input": "aux_hidden_states" if self.use_aux else "hidden_states" if self.layers else None,
             "tapped_layers": self.layers,
             "rows": drafter_rows(self.block_size, self.window),
-        })
+        }
+        # the rows the drafter model receives inside the proposer (proposer_v1.py): hidden-state drafters
+        self.layout: list[tuple[Any, int, int]] | None = None  # this call's (StepReq, rows, verified rows)
+        self.proposer: ProposerCapture | None = None
+        model_input, why = None, None
+        if sc.use_dflash():  # DFlashProposer overrides set_inputs_first_pass: its rows are remapped
+            why = "DFlash's proposer lays out its own rows (DFlashProposer.set_inputs_first_pass)"
+        elif self.uses_hidden and not _proposer_hooked():
+            why = "this vLLM has no SpecDecodeBaseProposer.set_inputs_first_pass (vllm/v1/spec_decode/llm_base_proposer.py)"
+        elif self.uses_hidden:
+            first = surface.drafter_first_layer(cap.layers, runner)
+            self.proposer = ProposerCapture(self, first)
+            model_input = {"kind": MODEL_INPUT_KIND, "role": PROPOSER_ROLE, "layer": first, "module": MODEL_INPUT_MODULE}
+        self.rec.set_run(drafter=self.run_drafter(model_input=model_input, **({"model_input_why": why} if why else {})))
+        if f is not None and f.name == "drafter-shift" and self.proposer is None:
+            print(f"statediff: fault {f.spec} cannot fire: the {self.method} proposer's rows are not read "
+                  f"({why or 'its drafter is given no hidden states'})", file=sys.stderr, flush=True)
+
+    def run_drafter(self, **fields: Any) -> dict[str, Any]:
+        """Run metadata ``drafter``, with ``fields`` set (``model_input``: where the proposer's rows
+        are recorded, or None; ``model_input_why``: why they are not)."""
+        self._drafter_run.update(fields)
+        return dict(self._drafter_run)
 
     # -- per step ------------------------------------------------------------
 
@@ -137,9 +163,11 @@ class SpecCapture:
         sampled = _rows(call.sampled_token_ids)
         feats = self._features(call)
         picks: list[tuple[int, Any, int]] = []  # (global row, StepReq, position)
+        layout: list[tuple[Any, int, int]] = []
         offset = 0
         for i, (rid, n) in enumerate(zip(req_ids, counts)):
             sr = steps.get(rid)
+            layout.append((sr, n, 0))
             if sr is not None:
                 drafts = surface.draft_tokens(so, rid)
                 accepted = 0
@@ -148,13 +176,42 @@ class SpecCapture:
                     accepted = max(0, min(len(drafts), sum(1 for t in valid if t >= 0) - 1))
                     self._observe(sr, sr.start + n - len(drafts), drafts, accepted)
                 verified = n - len(drafts) + accepted
+                layout[-1] = (sr, n, verified)
                 if feats:
                     self._maybe_fault(sr, feats, offset, verified)
                     picks += [(offset + j, sr, sr.start + j + 1) for j in range(verified)
                               if keep_row(sr.start + j + 1, sr.prompt_len, self.block_size, self.window)]
             offset += n
+        self.layout = layout  # read by the proposer's hook inside this call (proposer_v1.py)
+        self.call_layout = layout  # read by after_propose (the drafts this call returns)
         if picks:
             self._record(feats, picks)
+
+    def after_propose(self, drafts: Any) -> None:
+        """The drafts this drafter call returned, for every request of the batch, whether the scheduler
+        uses them or not (a request still in prefill: its drafts are discarded).
+
+        ``drafts``: ``propose_draft_token_ids``'s result, ``[num_reqs, K]`` (tensor or lists) in batch order.
+        Appends ``[position, [draft ids], discarded]`` to the request field ``draft_calls``: ``position`` =
+        tokens of the request whose rows were verified after the step (the drafter's context);
+        ``discarded`` = the step ended inside the prompt.
+        """
+        layout, self.call_layout = self.call_layout, None
+        if not layout or drafts is None:
+            return
+        rows = _rows(drafts)
+        for i, (sr, _n, verified) in enumerate(layout):
+            if sr is None or i >= len(rows):
+                continue
+            end = sr.start + verified
+            calls = self.calls.setdefault(sr.index, [])
+            calls.append([end, [int(t) for t in rows[i]], end < sr.prompt_len])
+            self.rec.set_request(sr.index, draft_calls=calls)
+
+    def after_first_pass(self, args: dict[str, Any], out: Any) -> None:
+        """The proposer filled the drafter model's inputs (``proposer_v1.ProposerCapture``)."""
+        if self.proposer is not None:
+            self.proposer.after_first_pass(args, out)
 
     # -- internals -----------------------------------------------------------
 
@@ -185,7 +242,7 @@ class SpecCapture:
     def _maybe_fault(self, sr: Any, feats: list[torch.Tensor], offset: int, verified: int) -> None:
         """``drafter-perturb``: negate one tapped layer's rows right after the first eligible hit."""
         planter = self.cap.faults
-        if not planter.wants("drafter") or not sr.hit or sr.start != sr.hit:
+        if not planter.pending or planter.spec.name != "drafter-perturb" or not sr.hit or sr.start != sr.hit:
             return
         f = planter.spec
         layer = self.layers[0] if f.layer is None else f.layer
@@ -195,6 +252,13 @@ class SpecCapture:
         k = self.layers.index(layer)
         site = Site(sr.index, sr.hit, layer, self.modules[k], self.block_size, "drafter")
         planter.plant(site, FeatureRows(feats[k], offset, n))  # in place: the drafter reads these rows next
+
+
+def _proposer_hooked() -> bool:
+    """The plugin wrapped the proposer's ``set_inputs_first_pass`` in this process (``surface.PROPOSER_FIRST_PASS``)."""
+    from statediff_hooks.vllm import plugin  # imported here: the plugin imports this module's capture lazily
+
+    return plugin.installed(surface.PROPOSER_FIRST_PASS)
 
 
 def _rows(sampled: Any) -> list[list[int]]:

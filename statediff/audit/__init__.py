@@ -12,8 +12,11 @@ plain function (``statediff check`` calls it); the CLI is ``statediff.cli.audit`
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
+from statediff.trace.layers import drafter_index
 from statediff.trace import Trace, open_trace
 
 from statediff.trace.damage import DamageCheck
@@ -83,6 +86,8 @@ def _audit(t: Trace) -> AuditResult:
     findings += first
     groups, checked["group_hit"] = group_hit_findings(ctx, t.run)
     findings += groups
+    # a restore in a layer of the drafter (MTP, EAGLE) is named as the drafter's (trace.layers)
+    findings = [dataclasses.replace(f, drafter_layer=drafter_index(t.run, f.layer, f.kind)) for f in findings]
     return AuditResult(
         path=str(t.path), findings=tuple(sorted(findings, key=lambda f: f.order)), checked=checked,
         unchecked=tuple(unchecked[:MAX_UNCHECKED_LISTED]), unchecked_count=len(unchecked),

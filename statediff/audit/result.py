@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from statediff.trace.layers import layer_text
 from statediff.jsonutil import jsonable
 from statediff.trace.schema import KINDS
 
@@ -34,6 +35,8 @@ class Finding:
         expected: where the expected value came from: ``{"request", "position",
             "token_start", "step", "block"}`` of the write, or None.
         diagnosis: what the restored value matches instead (one line), or None.
+        drafter_layer: the index of ``layer`` among the drafter's own layers (``trace.layers``), None for
+            a target layer; ``where`` then says "drafter layer i (layer L, module)".
     """
 
     check: str
@@ -46,6 +49,7 @@ class Finding:
     what: str
     expected: dict[str, Any] | None = None
     diagnosis: str | None = None
+    drafter_layer: int | None = None
 
     @property
     def order(self) -> tuple:
@@ -53,8 +57,8 @@ class Finding:
         return (self.request, self.position, self.layer, rank)
 
     def where(self) -> str:
-        mod = f" ({self.module})" if self.module else ""
-        return f"request {self.request} position {self.position} layer {self.layer}{mod} {self.kind}"
+        return (f"request {self.request} position {self.position} "
+                f"{layer_text(self.layer, self.drafter_layer, self.module or None)} {self.kind}")
 
     def text(self) -> str:
         out = f"{self.where()}: {self.what}"

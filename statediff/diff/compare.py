@@ -24,13 +24,15 @@ import dataclasses
 import math
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from statediff.errors import MismatchError, NotComparableError, StatediffError
 from statediff.replay.hits import account_run
 from statediff.trace.damage import DamageCheck
+from statediff.trace.layers import drafter_index
 from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import DigestEntry
 from statediff.trace.summary import Summary, estimate_l2, l2_budget
@@ -44,7 +46,7 @@ from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
-from .drafts import DraftDiff, first_draft_diff
+from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
                      InputsDiffer, RequestRow, SketchJudgement, TraceSide, Unpaired)
@@ -113,7 +115,7 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
         digests = DigestCache()
         judged = _judge(plan, traces, policy, parts, digests, progress, stop_at_first)
         warnings += _judging_warnings(judged, exact)
-        divergences = _divergences(judged.found, classify(judged.found, traces.hit.requests))
+        divergences = _divergences(judged.found, classify(judged.found, traces.hit.requests), traces.hit.run)
         out_tol = OutputTolerance(exact=exact and model is None)
         rows, hit_findings = _hits(traces, _requests(traces, indices, parts, out_tol))
         output_diff = next((r.output_diff for r in rows if r.output_diff is not None and not r.output_diff.near_tie), None)
@@ -380,8 +382,9 @@ def _counts(s: Summary) -> tuple[int, int]:
     return (s.n_nan, s.n_inf)
 
 
-def _divergences(found: list[_Found], verdicts) -> list[Divergence]:
-    """The complete, frozen records: the root/propagated verdicts are known before any is built."""
+def _divergences(found: list[_Found], verdicts, run: Mapping[str, Any]) -> list[Divergence]:
+    """The complete, frozen records: the root/propagated verdicts are known before any is built;
+    ``run``: the hit trace's run metadata (which layers are the drafter's, ``trace.layers``)."""
     attributed = [v.root_index for v in verdicts if not v.root]
     same_request = [v.root_index for f, v in zip(found, verdicts)
                     if not v.root and f.request == found[v.root_index].request]
@@ -396,7 +399,7 @@ def _divergences(found: list[_Found], verdicts) -> list[Divergence]:
             root=v.root, root_key=None if v.root else found[v.root_index].pair.key, via=v.via,
             propagated=n[i] if v.root else 0, propagated_same_request=n_same[i] if v.root else 0,
             digests=f.digests, sketch=f.sketch,
-            data=(has_data(h), has_data(c))))
+            data=(has_data(h), has_data(c)), drafter_layer=drafter_index(run, c.layer, c.kind)))
     return out
 
 
@@ -438,7 +441,7 @@ def _refuse_before_any_hit(hit: Trace, divs: list[Divergence], output: OutputDif
     first = divs[0] if divs else None
     what = None
     if first is not None and before_any_hit(first.request):
-        what = (f"request {first.request} differs at position {first.position}, layer {first.layer}, "
+        what = (f"request {first.request} differs at position {first.position}, {first.layer_text(False)}, "
                 f"{first.kind}")
     elif output is not None and before_any_hit(output.request):
         what = f"request {output.request} differs at output {output.index} (position {output.position})"
@@ -472,8 +475,8 @@ def _requests(traces: Pair[Trace], indices: list[int], parts: dict[int, StreamPa
 
 
 def _drafts(traces: Pair[Trace], indices: list[int]) -> DraftDiff | None:
-    """Exact replay: the first verification step whose drafts differ (``drafts.first_draft_diff``)."""
-    return next((d for i in indices if (d := first_draft_diff(traces.map(lambda t: t.requests.get(i)), i))), None)
+    """Exact replay: the first verification step or drafter call whose drafts differ (``drafts.first_drafts_diff``)."""
+    return next((d for i in indices if (d := first_drafts_diff(traces.map(lambda t: t.requests.get(i)), i))), None)
 
 
 def _hits(traces: Pair[Trace], rows: list[RequestRow]) -> tuple[list[RequestRow], tuple[str, ...]]:

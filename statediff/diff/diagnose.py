@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from statediff.trace.digest import digest_array
 from statediff.trace.dtypes import round_to_bf16, storage_dtype, to_float
+from statediff.trace.layers import label
 from statediff.trace.reader import Trace
 from statediff.trace.schema import DigestEntry, TensorEntry
 from statediff.trace.summary import Summary, summarize
@@ -89,6 +92,8 @@ def _noun(kind: str) -> str:
         return "state"
     if kind.startswith("attn."):
         return "KV block"
+    if kind in ("drafter.input", "drafter.model_input"):
+        return "drafter input row"
     return "tensor"
 
 
@@ -100,7 +105,7 @@ def offset_words(position: int, match_position: int, block_size: int | None) -> 
         k = n // block_size
         blocks = "one block" if k == 1 else f"{k} blocks"
         return f"{blocks} {direction} (position {match_position}, {n} tokens)"
-    return f"{n} tokens {direction} (position {match_position})"
+    return f"{n} token{'' if n == 1 else 's'} {direction} (position {match_position})"
 
 
 def logical_block(e: Entry) -> int | None:
@@ -109,9 +114,14 @@ def logical_block(e: Entry) -> int | None:
     return e.token_start // n if n > 0 and e.token_start % n == 0 else None
 
 
-def _finding(e: Entry, m: Entry, exact: bool, block_size: int | None) -> Diagnosis:
+def _where(e: Entry, run: Mapping[str, Any]) -> str:
+    """"diagnosis: request R layer L KIND at position P" ("drafter layer i (layer L)" for the drafter's)."""
+    return f"diagnosis: request {e.request} {label(run, e.layer, e.kind)} {e.kind} at position {e.position}"
+
+
+def _finding(e: Entry, m: Entry, exact: bool, block_size: int | None, run: Mapping[str, Any]) -> Diagnosis:
     how = ", bit for bit" if exact else ", within tolerance"
-    where = f"diagnosis: request {e.request} layer {e.layer} {e.kind} at position {e.position}"
+    where = _where(e, run)
     noun = _noun(e.kind)
     if m.request == e.request:
         finding = "other_position"
@@ -249,8 +259,8 @@ def _bit_equal(h: Entry, hit: Trace, c: Entry, cold: Trace, digests: DigestCache
     return got == want
 
 
-def _zeros(h: Entry) -> Diagnosis:
-    where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
+def _zeros(h: Entry, run: Mapping[str, Any]) -> Diagnosis:
+    where = _where(h, run)
     return Diagnosis(h.request, h.position, h.layer, h.kind, "zeros", True, None, None, None,
                      f"{where} is all zeros: never written / zeroed")
 
@@ -289,30 +299,30 @@ def diagnose(pair: Pair[Entry], hit: Trace, cold: Trace, policy: Policy,
     h = pair.hit
     block_size = cold.run.get("block_size") if isinstance(cold.run.get("block_size"), int) else None
     if is_zeros(h, hit, digests):
-        return _zeros(h)
+        return _zeros(h, hit.run)
     same_req, same_pos, other = _candidates(pair, cold)
     budget = [MAX_DIGEST_SEARCH_BYTES]
     for cand in same_req + same_pos + other:
         if _bit_equal(h, hit, cand, cold, digests, budget):
-            return _finding(h, cand, True, block_size)
+            return _finding(h, cand, True, block_size, hit.run)
     if not isinstance(h, TensorEntry) or hit.nbytes(h) > MAX_READ_BYTES:
         # no hit data: only exact matches (digests) can be searched
-        return _rounded(pair) if _bf16(pair, hit, cold, digests) else None
+        return _rounded(pair, hit.run) if _bf16(pair, hit, cold, digests) else None
     if _bf16(pair, hit, cold, digests):
-        return _rounded(pair)
+        return _rounded(pair, hit.run)
     if policy.for_pair(h, pair.cold).exact or not pair.same_dtype:
         return None  # within tolerance == bit identity: hashes said no (or nothing of the cold dtype to try)
     hit_data = hit.read(h)
     withdata = [e for e in same_req + same_pos if isinstance(e, TensorEntry)]
     for cand in withdata[:MAX_FULL_COMPARES]:
         if compare_arrays(hit_data, cold.read(cand), h.dtype, policy.for_entry(cand)).within:
-            return _finding(h, cand, False, block_size)
+            return _finding(h, cand, False, block_size, hit.run)
     return None
 
 
-def _rounded(pair: Pair[Entry]) -> Diagnosis:
+def _rounded(pair: Pair[Entry], run: Mapping[str, Any]) -> Diagnosis:
     h = pair.hit
-    where = f"diagnosis: request {h.request} layer {h.layer} {h.kind} at position {h.position}"
+    where = _where(h, run)
     return Diagnosis(h.request, h.position, h.layer, h.kind, "bf16_rounded", True,
                      pair.cold.request, pair.cold.position, 0,
                      f"{where} matches the cold {_noun(h.kind)} rounded to bfloat16")

@@ -12,6 +12,14 @@ engine adapters: ``[[first draft position, [draft token ids] or null,
 accepted], ...]``, one entry per verification step, in order). Steps are
 paired by their index; a step whose draft ids are null on a side (the
 scheduler held only placeholders) is judged by its position and acceptance.
+
+Also from ``draft_calls`` (vLLM adapter, since issue 18: ``[[position, [draft
+token ids], discarded], ...]``, one entry per drafter call, including the calls
+on a non-final prefill chunk whose drafts the scheduler discards; ``position``:
+the tokens whose rows were verified when the drafter ran). Calls are paired by
+position: a hit run makes none inside its cached prefix, so only positions
+both runs have are judged. A fault in the drafter's context may change only
+these (the first step after a hit is a prefill chunk in exact replay).
 """
 
 from __future__ import annotations
@@ -41,15 +49,22 @@ class DraftDiff:
     position: int
     hit: tuple[tuple[int, ...] | None, int] | None
     cold: tuple[tuple[int, ...] | None, int] | None
+    call: str | None = None
 
     def text(self) -> str:
-        """'request 2, step 0 (position 231): hit drafted [5, 9, 9], 1 accepted; cold drafted [5, 9, 4], 3 accepted'."""
+        """'request 2, step 0 (position 231): hit drafted [5, 9, 9], 1 accepted; cold drafted [5, 9, 4], 3 accepted';
+        for a drafter call (``call`` "discarded" or "used"): 'request 1, drafter call at position 128 (drafts
+        discarded by the scheduler: a prefill chunk): hit drafted [...]; cold drafted [...]'."""
         def side(name: str, s: tuple | None) -> str:
             if s is None:
                 return f"{name} has no such step"
             ids = "placeholders" if s[0] is None else f"[{', '.join(map(str, s[0]))}]"
-            return f"{name} drafted {ids}, {s[1]} accepted"
+            return f"{name} drafted {ids}" + ("" if self.call else f", {s[1]} accepted")
 
+        if self.call:
+            why = " (drafts discarded by the scheduler: a prefill chunk)" if self.call == "discarded" else ""
+            return (f"request {self.request}, drafter call at position {self.position}{why}: "
+                    f"{side('hit', self.hit)}; {side('cold', self.cold)}")
         return (f"request {self.request}, step {self.step} (position {self.position}): "
                 f"{side('hit', self.hit)}; {side('cold', self.cold)}")
 
@@ -57,7 +72,7 @@ class DraftDiff:
         def side(s: tuple | None) -> dict | None:
             return None if s is None else {"drafts": None if s[0] is None else list(s[0]), "accepted": s[1]}
 
-        return {"request": self.request, "step": self.step, "position": self.position,
+        return {"request": self.request, "step": self.step, "position": self.position, "call": self.call,
                 "hit": side(self.hit), "cold": side(self.cold), "text": self.text()}
 
 
@@ -95,3 +110,37 @@ def first_draft_diff(records: Pair[Mapping[str, Any] | None], request: int) -> D
         pos = (cs or hs)[0]
         return DraftDiff(request, i, pos, None if hs is None else hs[1:], None if cs is None else cs[1:])
     return None
+
+
+def _calls(record: Mapping[str, Any] | None) -> dict[int, tuple[tuple[int, ...], bool]] | None:
+    """``draft_calls`` as position -> (draft ids, discarded), the first call at a position; None when not
+    recorded or malformed."""
+    raw = (record or {}).get("draft_calls")
+    if not isinstance(raw, list):
+        return None
+    out: dict[int, tuple[tuple[int, ...], bool]] = {}
+    for c in raw:
+        if not (isinstance(c, (list, tuple)) and len(c) == 3 and isinstance(c[1], list)):
+            return None
+        out.setdefault(int(c[0]), (tuple(int(t) for t in c[1]), bool(c[2])))
+    return out
+
+
+def first_call_diff(records: Pair[Mapping[str, Any] | None], request: int) -> DraftDiff | None:
+    """The first drafter call of ``request`` (by position, among the positions both runs have) whose draft
+    ids differ, or None (also None when either run did not record ``draft_calls``). ``step`` is the call's
+    index among the hit run's calls."""
+    h, c = _calls(records.hit), _calls(records.cold)
+    if h is None or c is None:
+        return None
+    for i, pos in enumerate(sorted(h)):
+        if pos in c and h[pos][0] != c[pos][0]:
+            return DraftDiff(request, i, pos, (h[pos][0], 0), (c[pos][0], 0),
+                             call="discarded" if c[pos][1] else "used")
+    return None
+
+
+def first_drafts_diff(records: Pair[Mapping[str, Any] | None], request: int) -> DraftDiff | None:
+    """The earlier (by position) of ``first_draft_diff`` and ``first_call_diff`` of ``request``, or None."""
+    found = [d for d in (first_call_diff(records, request), first_draft_diff(records, request)) if d is not None]
+    return min(found, key=lambda d: d.position) if found else None

@@ -30,6 +30,7 @@ from typing import Any
 from statediff.jsonutil import jsonable
 from statediff.replay.command import focus_lines
 from statediff.replay.focus import focus_text
+from statediff.trace.layers import layer_text
 from statediff.trace.summary import Estimate
 
 from .align import StreamPart
@@ -168,10 +169,15 @@ class Divergence:
     digests: tuple[str, str] | None = None
     sketch: SketchJudgement | None = None
     data: tuple[bool, bool] = (True, True)
+    drafter_layer: int | None = None
 
     @property
     def key(self) -> tuple[int, int, int, str]:
         return (self.request, self.position, self.layer, self.kind)
+
+    def layer_text(self, module: bool = True) -> str:
+        """"layer 3 (model.layers.3...)", or "drafter layer 0 (layer 4, ...)" for a layer of the drafter."""
+        return layer_text(self.layer, self.drafter_layer, self.module if module else None)
 
     @property
     def noise_multiple(self) -> float | None:
@@ -182,7 +188,7 @@ class Divergence:
         return self.metrics.max_abs / noise if noise > 0 else (math.inf if self.metrics.max_abs else 0.0)
 
     def where(self) -> str:
-        return f"request {self.request}, position {self.position}, layer {self.layer} ({self.module}), {self.kind}"
+        return f"request {self.request}, position {self.position}, {self.layer_text()}, {self.kind}"
 
     def to_text(self) -> str:
         """Full multi-line description (used for roots)."""
@@ -236,7 +242,7 @@ class Divergence:
     def short(self) -> str:
         """One line (used for the next divergences)."""
         tag = "root" if self.root else f"propagated, {self.via}"
-        head = f"request {self.request} position {self.position} layer {self.layer} {self.kind} [{tag}]"
+        head = f"request {self.request} position {self.position} {self.layer_text(False)} {self.kind} [{tag}]"
         m = self.metrics
         if m is None and self.sketch is not None:
             return f"{head} {self.reason}: {self.sketch.rel_text()}"
@@ -251,7 +257,7 @@ class Divergence:
         d = {k: getattr(self, k) for k in (
             "request", "position", "layer", "module", "kind", "role_hit", "role_cold", "dtype",
             "shape", "layout_cold", "reason", "root", "root_key", "via", "propagated",
-            "propagated_same_request", "digests")}
+            "propagated_same_request", "digests", "drafter_layer")}
         d["data"] = {"hit": self.data[0], "cold": self.data[1]}
         d["sketch"] = None if self.sketch is None else self.sketch.to_json()
         d["tolerance"] = self.tolerance.to_json()

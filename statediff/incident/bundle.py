@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from statediff.diff.result import CompareResult, Divergence, no_data_text
 from statediff.errors import StatediffError
 from statediff.jsonutil import jsonable
 from statediff.replay.command import focus_lines
+from statediff.trace.layers import drafter_index, layer_text
 from statediff.trace.reader import Trace, open_trace
 from statediff.trace.schema import DigestEntry, TensorEntry
 from statediff.trace.writer import TraceWriter
@@ -192,14 +193,18 @@ def replay_lines(requests: dict[int, dict]) -> list[str]:
     return out
 
 
-def _bundle_lines(sel: Selection, folder: str, notes: list[str]) -> list[str]:
+def _bundle_lines(sel: Selection, folder: str, notes: list[str], run: Mapping[str, Any]) -> list[str]:
+    """The report's bundle section: each kept tensor (a layer of the drafter named as the drafter's,
+    from the hit trace's run metadata ``run``), then the other members."""
     out = [f"`{folder}/hit.h5` and `{folder}/cold.h5` hold only these tensors (and every run and "
            "request record); `statediff compare` finds the same root and diagnosis in them:", "",
            "| trace | request | position | layer | kind | role | why kept |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for k in sel.kept:
         e = k.entry
-        out.append(f"| {k.side} | {e.request} | {e.position} | {e.layer} | {e.kind} | {e.role} | {k.why} |")
+        own = drafter_index(run, e.layer, e.kind)
+        layer = e.layer if own is None else layer_text(e.layer, own)
+        out.append(f"| {k.side} | {e.request} | {e.position} | {layer} | {e.kind} | {e.role} | {k.why} |")
     out += ["", f"Also: `{folder}/report.md` (this record), `{folder}/replay.jsonl` (the prompts and sampling "
             f"of every request, replayable with `statediff record`), `{folder}/manifest.json`"
             + (f", `{folder}/heatmap.png` (error over layer x position, full traces)"
@@ -366,7 +371,7 @@ def _write_members(result: CompareResult, sel: Selection, d: Path, folder: str, 
     (d / "replay.jsonl").write_text("\n".join(replay_lines(result.hit.requests)) + "\n", encoding="utf-8")
     diag = result.diagnosis_for(sel.root)
     diag = diag.text if diag is not None else None
-    report = build_report(result, options, bundle=out.name, bundle_lines=_bundle_lines(sel, folder, notes),
+    report = build_report(result, options, bundle=out.name, bundle_lines=_bundle_lines(sel, folder, notes, result.hit.run),
                           replay_file=f"{folder}/replay.jsonl")
     (d / "report.md").write_text(report.to_markdown(), encoding="utf-8")
     noise = options.noise is not None

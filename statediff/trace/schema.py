@@ -41,6 +41,7 @@ KINDS = (
     "attn.v",
     "hidden",
     "drafter.input",
+    "drafter.model_input",
     "drafter.logits",
 )
 KIND_RANK = {k: i for i, k in enumerate(KINDS)}
@@ -52,6 +53,7 @@ ROLES = (
     "kv_block",  # the K or V rows of one KV-cache block, tokens [token_start, position)
     "activation",  # eager-mode forward-hook output (perturbs numerics; opt-in)
     "drafter",  # input handed to a speculative drafter
+    "proposer",  # input the drafter model's forward receives inside the proposer (after its slicing)
     "initial",  # state a first chunk without a cache hit starts from, read from its slot as the kernel would
 )
 

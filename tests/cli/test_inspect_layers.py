@@ -14,4 +14,4 @@ def test_inspect_marks_drafter_layers(tmp_path):
               {"layer": 4, "module": "model.layers.4.self_attn.attn", "type": "attn", "drafter": True}]
     r = CliRunner().invoke(cli, ["inspect", str(write_trace(tmp_path / "t.h5", "hit", layers=layers))])
     assert r.exit_code == 0, r.output
-    assert "  layers                 3: 0 gdn, 3 attn, 4 attn (drafter)" in r.output.splitlines()
+    assert "  layers                 3: 0 gdn, 3 attn, 4 attn (drafter layer 0)" in r.output.splitlines()

@@ -75,3 +75,29 @@ def test_drafts_are_not_judged_in_default_replay_or_when_outputs_differ(tmp_path
     cold = write_trace(tmp_path / "cold2.h5", "cold", replay="exact", requests=_steps())
     r = compare(hit, cold)
     assert r.cause == "outputs" and r.draft_diff is None
+
+
+def test_drafts_of_a_discarded_drafter_call_are_judged_by_position(tmp_path):
+    """``draft_calls`` (every drafter call, also on a non-final prefill chunk whose drafts the scheduler
+    discards): paired by position; the cold run's calls inside the hit's cached prefix are not judged."""
+    from statediff.diff.drafts import first_call_diff, first_drafts_diff
+
+    cold_calls = [[32, [4, 4, 4], True], [64, [7, 8, 9], True], [96, [1, 2, 3], True], [110, [5, 9, 9], False]]
+    hit_calls = [[96, [1, 2, 6], True], [110, [5, 9, 9], False]]  # resumed from 64 tokens: no calls before
+    recs = Pair({"draft_calls": hit_calls}, {"draft_calls": cold_calls})
+    want = DraftDiff(2, 0, 96, ((1, 2, 6), 0), ((1, 2, 3), 0), call="discarded")
+    assert first_call_diff(recs, 2) == want
+    assert want.text() == ("request 2, drafter call at position 96 (drafts discarded by the scheduler: a prefill "
+                           "chunk): hit drafted [1, 2, 6]; cold drafted [1, 2, 3]")
+    assert first_call_diff(Pair({"draft_calls": hit_calls[1:]}, {"draft_calls": cold_calls}), 2) is None
+    assert first_call_diff(Pair({"draft_calls": hit_calls}, {}), 2) is None  # not recorded (older traces)
+    # the earlier of a call and a verification step
+    steps = {"spec_steps": [[111, [5, 9, 9], 2]]}
+    both = Pair({**steps, "draft_calls": hit_calls}, {"spec_steps": [[111, [5, 9, 1], 2]], "draft_calls": cold_calls})
+    assert first_drafts_diff(both, 2) == want
+    hit = write_trace(tmp_path / "hit.h5", "hit", replay="exact", requests={2: {"draft_calls": hit_calls}})
+    cold = write_trace(tmp_path / "cold.h5", "cold", replay="exact", requests={2: {"draft_calls": cold_calls}})
+    r = compare(hit, cold)
+    assert (r.exit_code, r.cause, r.draft_diff) == (1, "drafts", want)
+    assert r.headline().startswith("DIVERGED: drafts differ at request 2, drafter call at position 96 (drafts "
+                                   "discarded by the scheduler: a prefill chunk)")

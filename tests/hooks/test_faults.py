@@ -105,3 +105,20 @@ def test_drafter_kv_zero_zeroes_the_drafters_cached_blocks_only():
     # the KV remaps never act on a drafter layer
     stale = FaultPlanter(parse_fault("kv-stale"))
     assert not stale.applies(Site(layer=4, drafter=True, **dict(drafter, hit=96)))
+
+
+def test_drafter_shift_moves_the_proposers_rows_one_token_and_never_fires_at_the_hand_off():
+    from statediff_hooks.vllm.faults_v1 import FeatureRows
+    from statediff_hooks.vllm.proposer_v1 import ShiftRows
+
+    hidden = torch.arange(12, dtype=torch.float32).repeat_interleave(3).view(12, 3)  # row r holds r
+    planter = FaultPlanter(parse_fault("drafter-shift"))
+    where = dict(request=1, hit=64, block_size=32, family="drafter")
+    # the runner's hand-off (spec_v1) is a target-side site: the fault waits for the proposer's
+    assert not planter.plant(Site(layer=2, module="drafter.aux.2", **where), FeatureRows(hidden, 2, 4))
+    assert planter.plant(Site(layer=4, module="proposer.hidden_states", drafter=True, **where),
+                         ShiftRows(hidden, 2, 4))
+    assert hidden[:, 0].tolist() == [0, 1, 3, 4, 5, 6, 6, 7, 8, 9, 10, 11]  # rows 2..5 hold 3..6
+    assert {k: planter.fired[k] for k in ("request", "position", "layer", "module", "kind", "rows")} == {
+        "request": 1, "position": 65, "layer": 4, "module": "proposer.hidden_states",
+        "kind": "drafter.model_input", "rows": [65, 68]}

@@ -141,6 +141,7 @@ def test_register_installs_the_engine_patches_wherever_the_plugin_is_active(monk
     plugin.register()
     assert ("patches" in calls) == patches
     assert ("execute_model" in calls) == capture
+    assert ("set_inputs_first_pass" in calls) == capture  # the proposer's input rows (proposer_v1)
     if patches:
         assert calls[0] == "patches"
 
@@ -175,3 +176,16 @@ def test_the_engine_fix_is_installed_only_when_named(monkeypatch):
             plugin.install_engine_patches()
     finally:
         gdn_ragged_fix.uninstall()
+
+
+def test_installed_says_whether_an_optional_patch_point_is_wrapped(monkeypatch):
+    from statediff_hooks.vllm import surface
+
+    point = surface.PROPOSER_FIRST_PASS
+    monkeypatch.setattr(plugin, "_originals", [])
+    assert not plugin.installed(point)
+    owner = point.target()
+    monkeypatch.setattr(plugin, "_originals", [(owner, point.name, getattr(owner, point.name))])
+    assert plugin.installed(point)
+    missing = surface.PatchPoint("vllm.v1.spec_decode.no_such_module", "X", "set_inputs_first_pass")
+    assert not plugin.installed(missing)

@@ -91,6 +91,13 @@ def test_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
         "kind": "attn.k", "blocks": [0, 2]}
     assert (first["request"], first["position"], first["layer"], first["kind"], first["module"]) == \
         (1, BLOCK, DRAFTER_LAYER, "attn.k", "model.layers.4.self_attn.attn")
+    # and every text says it is the drafter's layer, not only its number
+    r = run_cli("compare", str(runs["fault"]), str(runs["cold"]))
+    root = next(ln for ln in r.stdout.splitlines() if ln.startswith("root 1 of"))
+    print(root)
+    assert root.split(": ", 1)[1] == ("request 1, position 32, drafter layer 0 (layer 4, "
+                                      "model.layers.4.self_attn.attn), attn.k")
+    assert first["drafter_layer"] == 0
     # the target's own state is untouched: no target layer of request 1 diverges
     assert not [d for d in rep["next"] if d["request"] == 1 and d["layer"] < DRAFTER_LAYER
                 and d["kind"] in ("attn.k", "attn.v", "gdn.conv_state", "gdn.ssm_state")]
@@ -98,4 +105,4 @@ def test_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
     with open_trace(runs["fault"]) as t:
         assert [d["layer"] for d in t.run["layers"] if d.get("drafter")] == [DRAFTER_LAYER]
     r = run_cli("inspect", str(runs["fault"]))
-    assert "4 attn (drafter)" in r.stdout and "3 attn (drafter)" not in r.stdout
+    assert "4 attn (drafter layer 0)" in r.stdout and "3 attn (drafter" not in r.stdout

@@ -119,6 +119,30 @@ def test_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
 
 
 @pytest.mark.vllm
+def test_mtp_model_inputs_inside_the_proposer_are_the_rows_handed_over(runs):
+    """MTP's proposer passes the target's hidden states through unchanged: the rows its model receives
+    (role ``proposer``, drafter layer 0 = layer 4) are bit for bit the hand-off's (role ``drafter``)."""
+    from statediff.trace.digest import digest_array
+    from statediff.trace.schema import DigestEntry
+
+    with open_trace(runs["hit"]) as t:
+        assert t.run["drafter"]["model_input"]["layer"] == MTP_LAYER
+        every = [*t.entries, *t.digests]
+        dig = {(e.key, e.role): e.digest if isinstance(e, DigestEntry) else digest_array(t.read(e)) for e in every
+               if e.kind in ("drafter.input", "drafter.model_input")}
+    handed = {k[:2]: d for (k, role), d in dig.items() if role == "drafter"}
+    got = {k[:2]: d for (k, role), d in dig.items() if role == "proposer"}
+    print("mtp proposer rows", len(got))
+    assert got == handed and len(got) > 20
+    # and the drafter-kv-zero root names the MTP layer as the drafter's
+    r = run_cli("compare", str(runs["fault"]), str(runs["cold"]))
+    root = next(ln for ln in r.stdout.splitlines() if ln.startswith("root 1 of"))
+    print(root)
+    assert root.endswith(f"request 1, position {BLOCK}, drafter layer 0 (layer {MTP_LAYER}, "
+                         "mtp.layers.0.self_attn.attn), attn.k")
+
+
+@pytest.mark.vllm
 def test_inspect_and_report_name_the_engine_patches(runs, tmp_path):
     r = run_cli("inspect", str(runs["hit"]))
     assert r.returncode == 0, r.stderr

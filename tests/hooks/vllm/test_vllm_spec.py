@@ -26,6 +26,7 @@ BLOCK = 32
 K = 3  # num_speculative_tokens
 TAPPED = [1, 2, 4]  # default aux layers of the tiny drafter for a 4-layer target: [1, n // 2, n]
 DRAFTER_ATTN = 4  # the drafter's own attention layer: model.layers.4.self_attn.attn
+MODEL_INPUT = "drafter.model_input"  # the rows the drafter model receives inside the proposer (role proposer)
 H = 256
 # Request i = body of BODY[i] tokens + a 3-token "assistant header"; each body
 # extends the previous one, as a chat replay's do.
@@ -65,6 +66,7 @@ def spec_run(tmp_path_factory):
     # --keep all: these tests read the data of every captured tensor; the -none twins hold digests only
     for name, c, mode, extra in (("hit", conv, "hit", []), ("cold", conv, "cold", []),
                                  ("fault", conv, "hit", fault),
+                                 ("shift", conv, "hit", ["--fault", "drafter-shift"]),
                                  ("quirk-hit", quirk, "hit", []), ("quirk-cold", quirk, "cold", []),
                                  ("cold-none", conv, "cold", ["--keep", "none"]),
                                  ("fault-none", conv, "hit", [*fault, "--keep", "none"])):
@@ -176,6 +178,82 @@ def test_drafter_inputs_recorded_for_every_tapped_layer_at_rule_positions(spec_r
 
 
 @pytest.mark.vllm
+def test_drafter_model_inputs_recorded_inside_the_proposer_at_the_hand_off_keys(spec_run):
+    """Role ``proposer``: the rows the drafter model's forward receives (after EAGLE-3's ``fc`` over the
+    concatenated tapped rows), at drafter layer 0 (layer 4), at exactly the hand-off's keys."""
+    import torch
+    from safetensors.torch import load_file
+
+    fc = next(load_file(str(f))["fc.weight"] for f in spec_run["eagle"].glob("*.safetensors"))  # [H, 3H]
+    for name in ("hit", "cold"):
+        with open_trace(spec_run[name]) as t:
+            assert t.run["drafter"]["model_input"] == {"kind": MODEL_INPUT, "role": "proposer", "layer": DRAFTER_ATTN,
+                                                       "module": "proposer.hidden_states"}
+            rows = [e for e in t.entries if e.kind == MODEL_INPUT]
+            assert {(e.role, e.layer, e.module, e.dtype, e.shape) for e in rows} == \
+                {("proposer", DRAFTER_ATTN, "proposer.hidden_states", "bfloat16", (H,))}
+            handed = {(e.request, e.position) for e in t.entries if e.kind == "drafter.input" and e.layer == 2}
+            assert {(e.request, e.position) for e in rows} == handed and len(handed) > 40
+            aux = {(e.request, e.position, e.layer): e for e in t.entries if e.kind == "drafter.input"}
+            for e in rows:  # the drafter's fc over the three tapped rows of the same token
+                cat = torch.cat([torch.from_numpy(to_float(t.read(aux[(e.request, e.position, L)]), "bfloat16"))
+                                 for L in TAPPED]).to(torch.bfloat16)
+                want = (fc @ cat).float()
+                got = torch.from_numpy(to_float(t.read(e), e.dtype).astype("float32"))
+                assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() > 0.999, (name, e.key)
+    code, rep, err = _compare(spec_run["hit"], spec_run["cold"])
+    assert code == 0 and rep["divergent"] == 0, err
+
+
+@pytest.mark.vllm
+def test_drafter_shift_inside_the_proposer_is_named_as_the_drafter_model_input(spec_run):
+    """``--fault drafter-shift``: the proposer's rows right after the hit one token late, the hand-off
+    untouched; the root is the drafter model's input at the first position after the hit, not a later
+    drafter K/V block, and the diagnosis finds the cold row one token later."""
+    with open_trace(spec_run["shift"]) as t:
+        f = t.run["fault"]
+    assert (f["request"], f["position"], f["layer"], f["kind"], f["module"], f["rows"]) == \
+        (1, HITS[1] + 1, DRAFTER_ATTN, MODEL_INPUT, "proposer.hidden_states", [HITS[1] + 1, HITS[1] + 4])
+    r = run_cli("compare", str(spec_run["shift"]), str(spec_run["cold"]))
+    assert r.returncode == 1, r.stderr
+    root = next(ln for ln in r.stdout.splitlines() if ln.startswith("root 1 of"))
+    print(root)
+    assert root == (f"root 1 of 1: request 1, position {HITS[1] + 1}, drafter layer 0 "
+                    f"(layer {DRAFTER_ATTN}, proposer.hidden_states), drafter.model_input")
+    code, rep, err = _compare(spec_run["shift"], spec_run["cold"])
+    first = rep["first"]
+    assert (first["request"], first["position"], first["layer"], first["kind"], first["role_hit"],
+            first["drafter_layer"], first["root"]) == (1, HITS[1] + 1, DRAFTER_ATTN, MODEL_INPUT, "proposer", 0, True)
+    assert rep["diagnosis"]["text"] == (
+        f"diagnosis: request 1 drafter layer 0 (layer {DRAFTER_ATTN}) drafter.model_input at position {HITS[1] + 1} "
+        f"matches the cold drafter input row 1 token later (position {HITS[1] + 2}), bit for bit")
+    # the hand-off (role drafter) and the target are untouched: the proposer is named
+    assert not [d for d in rep["all"] if d["kind"] == "drafter.input" or d["layer"] < DRAFTER_ATTN]
+    assert [(d["position"], d["kind"]) for d in rep["all"][:4]] == [(HITS[1] + i, MODEL_INPUT) for i in range(1, 5)]
+    assert {(d["position"], d["kind"]) for d in rep["all"][4:]} <= \
+        {(HITS[1] + BLOCK, "attn.k"), (HITS[1] + BLOCK, "attn.v")}
+
+
+@pytest.mark.vllm
+def test_drafts_of_every_drafter_call_are_recorded_including_discarded_ones(spec_run):
+    """``draft_calls``: one entry per drafter call, also on each non-final prefill chunk (exact replay: one
+    block per step), whose drafts the scheduler discards; a hit run makes none inside its cached prefix."""
+    calls = {}
+    for name, starts in (("hit", HITS), ("cold", [0, 0, 0])):
+        with open_trace(spec_run[name]) as t:
+            for r in range(3):
+                req = t.requests[r]
+                c = calls[name, r] = req["draft_calls"]
+                discarded = [pos for pos, ids, d in c if d]
+                assert discarded == list(range(starts[r] + BLOCK, LENS[r], BLOCK)), (name, r)
+                assert all(len(ids) == K for _, ids, _ in c)
+                assert len(c) - len(discarded) == 1 + req["acceptance"]["num_drafts"]  # prefill end + each step
+    print("draft calls request 1 (hit)", calls["hit", 1][:2])
+    for r in range(3):  # the same drafts at every position both runs have
+        assert calls["hit", r] == [x for x in calls["cold", r] if x[0] > HITS[r]]
+
+
+@pytest.mark.vllm
 def test_drafter_row_at_position_q_is_the_hidden_state_of_token_q_minus_1(spec_run):
     """Compare recorded aux rows of request 0 with transformers' residual stream of the prompt."""
     import torch
@@ -238,10 +316,12 @@ def test_drafter_perturb_fault_is_named_exactly(spec_run):
         (1, HITS[1] + 1, 2, "drafter.input", "drafter")
     assert first["root"] is True and first["module"] == "drafter.aux.2"
     assert first["metrics"]["cosine"] == pytest.approx(-1.0)  # negated features
-    # the perturbed rows (hit + 1 .. hit + 4), then only what the drafter computed from them
-    assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in rep["all"][:4]] == \
-        [(1, HITS[1] + i, 2, "drafter.input") for i in range(1, 5)]
-    assert {(d["layer"], d["kind"]) for d in rep["all"][4:]} <= {(DRAFTER_ATTN, "attn.k"), (DRAFTER_ATTN, "attn.v")}
+    # the perturbed hand-off rows (hit + 1 .. hit + 4), each followed by the row the drafter model got from
+    # it inside the proposer (drafter layer 0, propagated), then only what the drafter computed from them
+    assert [(d["request"], d["position"], d["layer"], d["kind"], d["root"]) for d in rep["all"][:8]] == \
+        [(1, HITS[1] + i, layer, kind, i == 1 and layer == 2) for i in range(1, 5)
+         for layer, kind in ((2, "drafter.input"), (DRAFTER_ATTN, MODEL_INPUT))]
+    assert {(d["layer"], d["kind"]) for d in rep["all"][8:]} <= {(DRAFTER_ATTN, "attn.k"), (DRAFTER_ATTN, "attn.v")}
     assert all(d["request"] >= 1 for d in rep["all"])  # request 0 ran before the fault
 
 
@@ -258,8 +338,8 @@ def test_drafter_perturb_is_named_alike_from_digests_only(spec_run):
         (1, HITS[1] + 1, 2, "drafter.input", "drafter", True)
     assert [[d[k] for k in key] for d in digests["roots"]] == [[d[k] for k in key] for d in data["roots"]]
     assert digests["diagnosis"] == data["diagnosis"]
-    assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in digests["all"][:4]] == \
-        [(1, HITS[1] + i, 2, "drafter.input") for i in range(1, 5)]
+    assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in digests["all"][:8]] == \
+        [(d["request"], d["position"], d["layer"], d["kind"]) for d in data["all"][:8]]
 
 
 @pytest.mark.vllm
