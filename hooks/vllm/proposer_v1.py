@@ -41,8 +41,10 @@ Fault ``drafter-shift``: in the first step after a hit, the rows of the first ``
 after the hit boundary are replaced by the rows one token later (``rows[r] = rows[r + 1]``, as an
 off-by-one slice would), in the proposer's buffer, after the hand-off was recorded.
 
-vLLM 0.29-0.31: not checked against their source (no venv of them here); where
-``llm_base_proposer`` is missing the patch point does not install and nothing of this role is recorded.
+vLLM 0.29-0.31: ``set_inputs_first_pass`` is the same as 0.32's on 0.30 and 0.31; 0.29 adds only a
+branch for xdrope position models. The smoke set records this role on 0.29, 0.31 and 0.32 (on 0.30
+dense + EAGLE-3 fails in the engine's first step). Where ``llm_base_proposer`` is missing the patch
+point does not install and nothing of this role is recorded.
 """
 
 from __future__ import annotations

