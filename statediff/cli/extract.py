@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted
+from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted, refuse_existing
 
 
 @click.command("extract", short_help="Write the smallest bundle (.zip) that shows the root.")
@@ -40,6 +40,7 @@ def extract_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path, max_mb:
     from statediff.incident.bundle import check_output, write_bundle
 
     check_output(output, overwrite=overwrite, max_mb=max_mb)  # before the comparison, which can take minutes
+    refuse_existing(output, overwrite, inputs=(hit, cold))
     result = compare_pair(hit, cold, options, progress=progress_wanted(as_json))
     bundle = write_bundle(result, output, options, max_mb=max_mb, neighbours=0 if no_neighbours else neighbours,
                           siblings=not no_neighbours, plot=not no_plot, overwrite=overwrite)

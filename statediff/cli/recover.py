@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .shared import OUT_FILE, PATH
+from .shared import OUT_FILE, PATH, refuse_existing
 
 
 @click.command("recover", short_help="Make one trace file of an interrupted recording.")
@@ -22,6 +22,7 @@ def recover_cmd(parts: Path, output: Path, overwrite: bool) -> None:
     """
     from statediff.trace import recover
 
+    refuse_existing(output, overwrite, inputs=(parts,))
     stats = recover(parts, output, overwrite=overwrite)
     click.echo(f"recovered {stats.get('tensors', 0)} tensors from {stats.get('segments', 0)} "
                f"completed steps into {output} (partial)")

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import click
 
-from statediff.errors import StatediffError
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, refuse_existing
+from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, refuse_existing, write_text_atomic
 
 
 @click.command("report", short_help="Write the incident record (Markdown) of HIT vs COLD.")
@@ -37,10 +36,7 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
         refuse_existing(output, overwrite, inputs=(hit, cold))
     report = build_report(compare_pair(hit, cold, options), options)
     if output is not None:
-        try:
-            output.write_text(report.to_markdown(), encoding="utf-8")
-        except OSError as e:
-            raise StatediffError(f"cannot write {output}: {e.strerror or e}") from None
+        write_text_atomic(output, report.to_markdown())
         click.echo(f"wrote {output}: {report.title}")
     else:
         emit(report, as_json)

@@ -37,14 +37,42 @@ def refuse_existing(path: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) 
     """Refuse to replace ``path`` without ``--overwrite``, and ever when it is one of ``inputs``
     (``--overwrite`` would destroy the trace being read), before any work.
 
+    Only a regular file is ever replaced: a symlink, device, FIFO or directory at ``path`` is
+    refused even with ``--overwrite`` (replacing ``/dev/stdout`` or blocking on a FIFO is never
+    what was meant).
+
     Raises:
-        StatediffError: ``path`` exists and ``overwrite`` is off, or ``path`` is an input.
+        StatediffError: ``path`` exists and ``overwrite`` is off, ``path`` is an input, or it is
+            not a regular file.
     """
     for src in inputs:
         if path.exists() and same_file(path, src):
             raise StatediffError(f"{path} is one of the inputs: write the output elsewhere")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        what = "a symbolic link" if path.is_symlink() else "a directory" if path.is_dir() else "not a regular file"
+        raise StatediffError(f"{path} is {what}: statediff writes only regular files (give a new file name)")
     if path.exists() and not overwrite:
         raise StatediffError(f"{path} already exists (use --overwrite to replace it)")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same directory and a
+    rename: a failed write (full disk, unencodable text) leaves an existing file as it was.
+
+    Raises:
+        StatediffError: the text cannot be encoded or the file cannot be written (one line).
+    """
+    try:
+        data = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as e:
+        raise StatediffError(f"cannot write {path}: {e.reason}") from None
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise StatediffError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def warn(message: str) -> None:

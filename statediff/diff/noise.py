@@ -115,12 +115,14 @@ def load_noise(path: str | Path, factor: float = DEFAULT_FACTOR) -> NoiseModel:
     if not (factor > 0 and math.isfinite(factor)):
         raise StatediffError(f"--noise-factor {factor!r} must be a positive number")
     try:
+        if Path(path).exists() and not Path(path).is_file():  # a FIFO would block the read forever
+            raise StatediffError(f"noise file {path} is not a regular file")
         if Path(path).stat().st_size > MAX_NOISE_BYTES:  # a bundle's noise.json comes from a stranger
             raise StatediffError(f"noise file {path} is over {MAX_NOISE_BYTES} bytes")
         doc = json.loads(Path(path).read_text())
     except OSError as e:
         raise StatediffError(f"cannot read noise file {path}: {e.strerror or e}") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise StatediffError(f"noise file {path} is not valid JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise StatediffError(f"{path} is not a statediff noise file (write one with 'statediff calibrate')")
@@ -134,7 +136,7 @@ def load_noise(path: str | Path, factor: float = DEFAULT_FACTOR) -> NoiseModel:
                     and isinstance(env.max_abs, (int, float)) and 0 <= env.max_abs < math.inf):
                 raise TypeError
             envs[(env.layer, env.kind)] = env
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, OverflowError):
         raise StatediffError(f"noise file {path} has a malformed envelope list") from None
     identity = doc.get("identity") if isinstance(doc.get("identity"), dict) else {}
     return NoiseModel(str(path), envs, identity, factor)
