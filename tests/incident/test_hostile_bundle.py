@@ -252,3 +252,18 @@ def test_a_trace_holding_other_tensors_than_the_manifest_lists_is_refused(good, 
     assert error_line(run("compare", z)) == (
         f"bundle {z}: {z}:b/cold.h5 holds 2 tensor(s) its manifest does not list as kept and lacks 0 it lists: "
         "the bundle is not what 'statediff extract' wrote")
+
+
+@pytest.mark.parametrize("cut", [0, 1])
+def test_verify_names_a_damaged_trace_member_and_reads_only_the_other(good, tmp_path, cut):
+    """A trace member of the wrong size (never unpacked) or the right size with other bytes is
+    damage (exit 1), named by the zip; the intact trace is still read."""
+    hit = members(good)["b/hit.h5"]
+    bad = hit[:-4096] if cut else hit[:4096] + bytes(len(hit) - 4096)
+    z = tamper(good, tmp_path / "t.zip", replace={"hit.h5": bad})
+    r = run("verify", z)
+    assert r.exit_code == 1, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"DAMAGED: {z}:b/hit.h5 ")
+    assert any(line.startswith(f"INTACT: {z}:b/cold.h5: ") for line in lines), lines
+    assert not any(f"{z}:b/hit.h5:" in line for line in lines), lines
