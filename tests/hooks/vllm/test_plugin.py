@@ -178,6 +178,7 @@ def test_the_engine_fix_is_installed_only_when_named(monkeypatch):
         gdn_ragged_fix.uninstall()
 
 
+@pytest.mark.engine  # imports vllm (the patch point's owner class)
 def test_installed_says_whether_an_optional_patch_point_is_wrapped(monkeypatch):
     from statediff_hooks.vllm import surface
 
