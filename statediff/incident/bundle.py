@@ -227,6 +227,14 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     out = Path(out)
     if out.suffix.lower() != ".zip":
         raise StatediffError(f"bundle {out}: the output must be a .zip file")
+    if not out.stem.strip("."):  # the stem names the folder inside: '..zip' would name '.'
+        raise StatediffError(f"bundle {out}: give the .zip a name before '.zip' (it names the folder inside), "
+                             "e.g. incident.zip")
+    try:
+        out.name.encode("utf-8")
+    except UnicodeEncodeError:  # zip member names and the report are UTF-8
+        raise StatediffError(f"bundle {ascii(str(out))[1:-1]}: the file name is not valid UTF-8; "
+                             "give a UTF-8 name") from None
     if out.is_dir() or (out.exists() and not overwrite):
         raise StatediffError(f"bundle {out} already exists (use --overwrite to replace it)")
     parent = out.parent if str(out.parent) else Path(".")
@@ -462,7 +470,11 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
 
     with open_bundle(path) as b:
         m = b.manifest
-        own_tol = tuple(str(x) for x in m.get("tol") or [] if isinstance(x, str))
+        raw_tol = m.get("tol") or []
+        if not (isinstance(raw_tol, list) and all(isinstance(x, str) for x in raw_tol)):
+            raise StatediffError(f"bundle {path}: its manifest's tol {raw_tol!r:.80} is not a list of --tol "
+                                 "options (strings)")
+        own_tol = tuple(raw_tol)
         changed = [name for name, given, own in (("--tol", options.tol and tuple(options.tol), own_tol),
                                                  ("--noise", options.noise, None),
                                                  ("--noise-factor", options.noise_factor, m.get("noise_factor")))

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -46,12 +47,33 @@ from pathlib import Path
 from typing import Any
 
 from statediff.errors import StatediffError, first_line
+from statediff.textsafe import clean_strings
 
 FORMAT = "statediff.bundle"
 VERSION = 2  # 2: the manifest lists every member's size and SHA-256
 MIN_VERSION = 2  # version 1 bundles list no member hashes: they cannot be checked
 MEMBERS = ("hit.h5", "cold.h5", "report.md", "heatmap.png", "replay.jsonl", "noise.json", "manifest.json")
-MAX_BUNDLE_BYTES = int(float(os.environ.get("STATEDIFF_BUNDLE_MAX_BYTES") or (1 << 30)))
+MAX_BUNDLE_BYTES = 1 << 30  # STATEDIFF_BUNDLE_MAX_BYTES overrides it (max_bundle_bytes)
+
+
+def max_bundle_bytes() -> int:
+    """The most bytes a bundle may unpack to: ``STATEDIFF_BUNDLE_MAX_BYTES`` (a whole number of
+    bytes above 0, ``1e9`` allowed) or ``MAX_BUNDLE_BYTES`` (1 GiB).
+
+    Raises:
+        StatediffError: the variable is set to something else.
+    """
+    raw = os.environ.get("STATEDIFF_BUNDLE_MAX_BYTES", "").strip()
+    if not raw:
+        return MAX_BUNDLE_BYTES
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
+        raise StatediffError(f"STATEDIFF_BUNDLE_MAX_BYTES={raw[:40]!r} is not a whole number of bytes above 0 "
+                             "(e.g. 2000000000 or 2e9)")
+    return int(value)
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_RATIO = 100  # deflate reaches ~1000x on zeros; JSON and Markdown stay well under 20x
 RATIO_FLOOR = 1 << 20  # members smaller than this unpack to little whatever their ratio
@@ -130,9 +152,9 @@ def check_directory(p: Path, infos: list[zipfile.ZipInfo]) -> str:
     if twice:
         raise StatediffError(f"{p}:{twice[0]} appears twice in the zip: a damaged or tampered bundle "
                              "(a bundle names each member once)")
-    total = sum(i.file_size for i in infos)
-    if total > MAX_BUNDLE_BYTES:
-        raise StatediffError(f"bundle {p} would unpack to {total} bytes, over the limit of {MAX_BUNDLE_BYTES} "
+    total, limit = sum(i.file_size for i in infos), max_bundle_bytes()
+    if total > limit:
+        raise StatediffError(f"bundle {p} would unpack to {total} bytes, over the limit of {limit} "
                              "(STATEDIFF_BUNDLE_MAX_BYTES): refused before unpacking anything")
     for i in infos:
         if i.file_size > RATIO_FLOOR and i.file_size > MAX_RATIO * max(i.compress_size, 1):
@@ -160,8 +182,8 @@ def _read_manifest(p: Path, z: zipfile.ZipFile, info: zipfile.ZipInfo) -> dict:
         raise StatediffError(f"bundle {p}: cannot read {info.filename}, the zip is damaged "
                              f"({first_line(e)})") from None
     try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
+        manifest = clean_strings(json.loads(raw.decode("utf-8")))  # printed by inspect: one line each
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise StatediffError(f"bundle {p}: manifest.json is not valid JSON") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise StatediffError(f"{p} is not a statediff bundle (manifest format "

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TraceError
+from ..textsafe import clean_strings
 from .arrays import DataFile, Frames, from_header, frames_by_dataset
 from .h5map import LINK_NAMES, Attr, Dataset, FileMap, Member
 from .rows import attach, digest_entries, digest_layout, entry
@@ -151,11 +152,13 @@ def _no_constants(name: str) -> None:
 
 
 def parse_json_object(text: str, where: str) -> dict:
-    """A JSON object from untrusted text: size-checked, no NaN/Infinity, depth-safe."""
+    """A JSON object from untrusted text: size-checked, no NaN/Infinity, depth-safe, every string
+    one line (``statediff.textsafe.one_line``: a stranger's line break or escape sequence cannot
+    fake or hide a line of our output)."""
     if len(text) > MAX_JSON_BYTES:
         raise TraceError(f"{where}: JSON text over {MAX_JSON_BYTES} bytes")
     try:
-        val = json.loads(text, parse_constant=_no_constants)
+        val = clean_strings(json.loads(text, parse_constant=_no_constants))
     except (ValueError, RecursionError) as e:
         raise TraceError(f"{where}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
     if not isinstance(val, dict):

@@ -94,3 +94,22 @@ def test_a_fifo_noise_file_is_refused_not_read(traces, tmp_path):
     os.mkfifo(fifo)
     r = run("compare", traces["hit"], traces["cold"], "--noise", fifo)
     assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: noise file {fifo} is not a regular file"])
+
+
+@pytest.mark.parametrize("name", ["..zip", "...zip", "sub/..zip"])
+def test_extract_refuses_a_zip_without_a_name_before_its_suffix(traces, tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    r = run("extract", traces["hit"], traces["cold"], "-o", name)
+    assert r.exit_code == 2
+    assert r.stderr == (f"statediff: error: bundle {name}: give the .zip a name before '.zip' (it names the "
+                        "folder inside), e.g. incident.zip\n")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["sub"]  # no temporary directory left behind
+
+
+def test_extract_refuses_an_undecodable_output_name(traces, tmp_path):
+    out = os.fsdecode(bytes(tmp_path) + b"/b\xff.zip")
+    r = run("extract", traces["hit"], traces["cold"], "-o", out)
+    assert r.exit_code == 2
+    assert r.stderr.endswith("b\\udcff.zip: the file name is not valid UTF-8; give a UTF-8 name\n"), r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -267,3 +267,35 @@ def test_verify_names_a_damaged_trace_member_and_reads_only_the_other(good, tmp_
     assert lines[0].startswith(f"DAMAGED: {z}:b/hit.h5 ")
     assert any(line.startswith(f"INTACT: {z}:b/cold.h5: ") for line in lines), lines
     assert not any(f"{z}:b/hit.h5:" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "1.5", "inf"])
+def test_a_bad_bundle_size_limit_is_one_line(good, monkeypatch, value):
+    monkeypatch.setenv("STATEDIFF_BUNDLE_MAX_BYTES", value)
+    assert error_line(run("compare", good)) == (
+        f"STATEDIFF_BUNDLE_MAX_BYTES={value!r} is not a whole number of bytes above 0 (e.g. 2000000000 or 2e9)")
+
+
+def test_a_bundle_size_limit_in_exponent_form_is_read(good, monkeypatch):
+    monkeypatch.setenv("STATEDIFF_BUNDLE_MAX_BYTES", "1e3")
+    assert error_line(run("compare", good)).endswith(
+        "over the limit of 1000 (STATEDIFF_BUNDLE_MAX_BYTES): refused before unpacking anything")
+
+
+@pytest.mark.parametrize("tol", [5, ["gdn.*=1e-3", 7], "gdn.*=1e-3"])
+def test_a_manifest_tol_that_is_not_a_list_of_strings_is_one_line(good, tmp_path, tol):
+    z = tamper(good, tmp_path / "t.zip", manifest={"tol": tol})
+    assert error_line(run("compare", z)) == (
+        f"bundle {z}: its manifest's tol {tol!r:.80} is not a list of --tol options (strings)")
+
+
+def test_a_manifest_nested_too_deep_is_one_line(good, tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    m = members(good)
+    text = m["b/manifest.json"].decode()
+    m["b/manifest.json"] = (text[:-1] + ', "deep": ' + deep + "}").encode()
+    z = tmp_path / "deep.zip"
+    with zipfile.ZipFile(z, "w", compression=zipfile.ZIP_DEFLATED) as f:
+        for n, data in m.items():
+            f.writestr(n, data)
+    assert error_line(run("inspect", z)) == f"bundle {z}: manifest.json is not valid JSON"
