@@ -287,6 +287,11 @@ def compare_and_write(options: CheckOptions, progress: bool, audit: Any = None) 
     report = build_report(result, cmp_options)
     if audit is not None:
         report = dataclasses.replace(report, audit=audit_markdown(audit))
+        if audit.exit_code == 1 and result.first is None:  # the title must not read as a clean run
+            report = dataclasses.replace(
+                report, exit_code=1,
+                title=f"statediff: the one-run audit of the cache-hit run found a restore violation "
+                      f"({audit.headline()}); compare finds no divergence from the cold run")
     _write(options, "compare.json", json.dumps(result.to_json(), indent=2) + "\n")
     _write(options, "report.md", report.to_markdown())
     return result

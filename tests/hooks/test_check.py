@@ -158,6 +158,10 @@ def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees
     assert audit["first"]["expected"]["request"] == 1 and audit["first"]["expected"]["step"] == 5
     report = (out / "report.md").read_text()
     assert report.index("## Audit of the hit run") < report.index("## Turns")
+    assert report.splitlines()[0] == (
+        "# statediff: the one-run audit of the cache-hit run found a restore violation (RESTORE VIOLATION: "
+        "first at request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))); "
+        "compare finds no divergence from the cold run")
     assert ("`statediff audit hit.h5`: **RESTORE VIOLATION: first at request 3 position 48 layer 0 "
             "(model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))**") in report
 
