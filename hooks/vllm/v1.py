@@ -547,6 +547,8 @@ class V1Capture:
         for rid, t in zip(out.req_ids, out.tokens):
             if rid in self.outputs:
                 self.outputs[rid].extend(int(x) for x in t)
+                if self.rec.live and rid in self.rec.index:  # a live audit's token streams
+                    self.rec.output_tokens(self.rec.index[rid], t)
             if rid in self.tokens:
                 self.tokens[rid].extend(int(x) for x in t)
             if self.logprobs.get(rid) is None or not len(t):
@@ -566,6 +568,7 @@ class V1Capture:
         # max_tokens by up to K (the front end truncates; drafter rows match these).
         fields: dict[str, Any] = {"output_token_ids": self.outputs.pop(rid)}
         self.hit_len.pop(rid, None)
+        self.prompt_len.pop(rid, None)
         k = self.logprobs_k.pop(rid, None)
         steps = self.logprobs.pop(rid, None)
         if steps is not None and k is not None:
