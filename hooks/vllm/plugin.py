@@ -441,7 +441,7 @@ def close() -> dict:
             cap.close()
         except Exception:  # noqa: BLE001
             pass
-    stopped = _read_stop_note(rec.config.trace) if rec.config.live is None else None
+    stopped = _read_stop_note(rec.config.trace) if getattr(rec.config, "live", None) is None else None
     if stopped is not None and not rec.run_field("stopped"):
         rec.set_run(stopped=stopped)  # the program died in its front end (note_uncaught)
     stats = rec.close()
