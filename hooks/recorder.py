@@ -179,7 +179,7 @@ class Recorder:
                                             role=role, module=module, token_start=token_start,
                                             block=block, copy=copy)])
 
-    def tensors(self, x: torch.Tensor, keys: Sequence[Mapping[str, Any]]) -> None:
+    def tensors(self, x: torch.Tensor, keys: Sequence[Mapping[str, Any]]) -> list:
         """Queue each row ``x[b]`` under ``keys[b]``: one summary pass over the batch on the device
         (``digest.summarize_rows``: one device-to-host transfer) and one gather and host copy of
         the rows the keep policy keeps.
@@ -188,6 +188,9 @@ class Recorder:
             x: ``[B, ...]`` on any device, a dtype the trace can store.
             keys: ``B`` mappings with the keyword arguments of ``tensor``
                 (request, position, layer, kind, role, module; token_start, block, copy optional).
+
+        Returns:
+            the ``B`` summaries (``statediff.trace.summary.Summary``).
 
         Raises:
             ValueError: ``len(keys) != B``.
@@ -216,6 +219,18 @@ class Recorder:
                 self._writer.add(host[where[b]], dtype=logical, summary=sums[b], **common)
             else:
                 self._writer.add_digest(sums[b], dtype=logical, shape=shape, **common)
+        return sums
+
+    def known(self, summary: Any, **key: Any) -> None:
+        """Live audit only: queue a tensor whose ``Summary`` was computed this step already (the
+        same physical block read by another request); ``key`` as ``tensor``'s keywords.
+
+        Raises:
+            RuntimeError: not a live audit (a trace would need the tensor's dtype, shape and data).
+        """
+        if not self.live:
+            raise RuntimeError("Recorder.known is for a live audit only")
+        self._writer.add_digest(summary, step=self.step, **key)
 
     # -- request and run records (adapters use these, never the writer) -------
 
