@@ -18,6 +18,12 @@ The steps, in order (``STEPS``; each names what it writes in the output director
    ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes, with
    the audit's section after its fields).
 
+With ``--concurrency N`` (N > 1) the hit run replays N copies side by side with the engine's
+own chunking (``record --concurrency N``) and steps 3 and 4 are skipped (``SKIP_COLD``):
+``compare`` refuses two traces of different concurrency, and a cold run at the same N is
+neither split like the hit run (a concurrent replay takes no ``--split-like``) nor
+bit-identical to it (batched prefills), so the audit of the hit run is the check.
+
 Each run is a ``statediff record`` subprocess (a fresh engine each, as ``ablate`` does;
 its progress bar and its error line reach this process's stderr). Every check that
 needs no engine (the options of both runs, the conversation against the model, the
@@ -43,6 +49,11 @@ STEPS = ("record-hit", "audit-hit", "record-cold", "compare")
 
 #: What ``run_check`` writes in the output directory.
 FILES = ("hit.h5", "cold.h5", "audit.json", "compare.json", "report.md", "hit.h5.log", "cold.h5.log")
+
+#: Why a check with ``--concurrency N`` > 1 records no cold run and compares nothing (one line).
+SKIP_COLD = ("cold run and compare skipped: with --concurrency {n} the copies' prefills are batched, so no cold "
+             "run is bit-identical to the hit run (and compare pairs only runs of the same concurrency); "
+             "the audit of the hit run is the check")
 
 #: Audit findings ``CheckResult.lines`` names (``audit.json`` lists them all).
 AUDIT_FINDINGS_SHOWN = 3
@@ -74,7 +85,7 @@ class CheckOptions:
     def run_options(self, mode: str) -> RecordingOptions:
         """The ``RecordingOptions`` of the hit or cold run (always ``overwrite``: the
         directory was checked as a whole)."""
-        split = not self.exact
+        split = not self.exact and self.base.concurrency == 1  # a concurrent replay: the engine's chunking
         return dataclasses.replace(
             self.base, output=self.path(f"{mode}.h5"), mode=mode, exact=self.exact, exact_split=split,
             split_like=self.path("hit.h5") if split and mode == "cold" else None,
@@ -87,7 +98,8 @@ class CheckResult:
 
     Attributes:
         options: what was asked.
-        compare: the ``statediff.diff.result.CompareResult`` of hit.h5 against cold.h5.
+        compare: the ``statediff.diff.result.CompareResult`` of hit.h5 against cold.h5 (None:
+            skipped, ``--concurrency N``).
         record_lines: what each ``statediff record`` printed, hit run first.
         audit: the ``statediff.audit.AuditResult`` of hit.h5 alone.
     """
@@ -99,14 +111,19 @@ class CheckResult:
 
     @property
     def exit_code(self) -> int:
-        """0 when the audit is clean and compare finds no divergence; 1 when either finds one."""
-        return max(self.audit.exit_code, self.compare.exit_code)
+        """0 when the audit is clean and compare finds no divergence; 1 when either finds one
+        (no compare under ``--concurrency N``: the audit's)."""
+        return max(self.audit.exit_code, self.compare.exit_code if self.compare is not None else 0)
 
     def lines(self) -> list[str]:
         """What each recording said first (``recorded 5 requests ...``), the audit of the hit run
         (``audit_lines``), compare's text report, then where each file went."""
         d = self.options.output_dir
         recorded = [line for line in self.record_lines if line.startswith("recorded ")]
+        if self.compare is None:
+            return [*recorded, *audit_lines(self.audit), "",
+                    SKIP_COLD.format(n=self.options.base.concurrency), "",
+                    f"wrote {d}/: hit.h5 (engine log: hit.h5.log), audit.json"]
         return [*recorded, *audit_lines(self.audit), self.compare.to_text(), "",
                 f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"]
 
@@ -221,7 +238,15 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None
     prepare(options)
     lines: list[str] = []
     form = "one block per step" if options.exact else "the engine's own chunking"
+    n = options.base.concurrency
+    if n > 1:
+        form += f", {n} copies side by side"
+    result = None
     for step in STEPS:
+        if n > 1 and step in ("record-cold", "compare"):
+            if step == "record-cold":
+                say(f"[3/4] {SKIP_COLD.format(n=n)}")
+            continue
         if step == "record-hit":
             say(f"[1/4] hit run ({form}) -> {options.path('hit.h5')}")
             lines += record_in_subprocess(options.run_options("hit"), options.timeout)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from statediff.audit.live import LiveAuditor
 from statediff.replay.hits import HitLedger, drops_last_block
 from statediff.trace import TraceWriter
 
@@ -109,14 +110,18 @@ class Recorder:
         self.copies = meta.get("concurrency") if isinstance(meta.get("concurrency"), int) else 1
         if self.copies > 1 and isinstance(meta.get("effective"), dict):
             meta["effective"] = {**meta["effective"], "concurrency": self.copies}
-        self._writer = TraceWriter(config.trace, meta, overwrite=config.overwrite)
+        # a live audit (STATEDIFF_LIVE_AUDIT, statediff/audit/live.py) takes the writer's place: no trace
+        self.live = config.live is not None
+        self._writer = (LiveAuditor(meta, config.live) if config.live is not None
+                        else TraceWriter(config.trace, meta, overwrite=config.overwrite))
         self.index: dict[str, int] = {}
+        self._count = 0  # requests begun (a live audit forgets finished ones from ``index``)
         self.step = 0
         self.closed = False
         # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
         bs = self._writer.run_field("block_size")
         self._ledgers = ([HitLedger(bs) for _ in range(max(self.copies, 1))]
-                         if isinstance(bs, int) and bs > 0 else None)
+                         if isinstance(bs, int) and bs > 0 and not self.live else None)
         self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
         self.keep = KeepPolicy(config.keep, bs if isinstance(bs, int) else None)
         # vLLM drops the last matched block of a hit for these drafters: the hit run resumes a
@@ -133,7 +138,8 @@ class Recorder:
         adapter gives), the expected hit and its align-mode value (and each
         minus one block with a drafter that drops the last matched block).
         """
-        idx = len(self.index)
+        idx = self._count
+        self._count += 1
         self.index[engine_id] = idx
         anchors = [fields.get("num_cached_tokens")]
         hits = self._ledger(idx)
@@ -148,7 +154,8 @@ class Recorder:
             anchors += [exp.tokens, exp.align]
             if self._drop_block:
                 anchors += [exp.tokens - hits.block_size, exp.align - hits.block_size]
-        self.keep.begin_request(idx, anchors)
+        if not self.live:  # nothing is kept live: no anchors to remember
+            self.keep.begin_request(idx, anchors)
         self._writer.begin_request(idx, engine_id, prompt_token_ids, **fields)
         if hits is not None:
             hits.add(idx, prompt_token_ids)
@@ -172,7 +179,7 @@ class Recorder:
                                             role=role, module=module, token_start=token_start,
                                             block=block, copy=copy)])
 
-    def tensors(self, x: torch.Tensor, keys: Sequence[Mapping[str, Any]]) -> None:
+    def tensors(self, x: torch.Tensor, keys: Sequence[Mapping[str, Any]]) -> list:
         """Queue each row ``x[b]`` under ``keys[b]``: one summary pass over the batch on the device
         (``digest.summarize_rows``: one device-to-host transfer) and one gather and host copy of
         the rows the keep policy keeps.
@@ -181,6 +188,9 @@ class Recorder:
             x: ``[B, ...]`` on any device, a dtype the trace can store.
             keys: ``B`` mappings with the keyword arguments of ``tensor``
                 (request, position, layer, kind, role, module; token_start, block, copy optional).
+
+        Returns:
+            the ``B`` summaries (``statediff.trace.summary.Summary``).
 
         Raises:
             ValueError: ``len(keys) != B``.
@@ -209,6 +219,18 @@ class Recorder:
                 self._writer.add(host[where[b]], dtype=logical, summary=sums[b], **common)
             else:
                 self._writer.add_digest(sums[b], dtype=logical, shape=shape, **common)
+        return sums
+
+    def known(self, summary: Any, **key: Any) -> None:
+        """Live audit only: queue a tensor whose ``Summary`` was computed this step already (the
+        same physical block read by another request); ``key`` as ``tensor``'s keywords.
+
+        Raises:
+            RuntimeError: not a live audit (a trace would need the tensor's dtype, shape and data).
+        """
+        if not self.live:
+            raise RuntimeError("Recorder.known is for a live audit only")
+        self._writer.add_digest(summary, step=self.step, **key)
 
     # -- request and run records (adapters use these, never the writer) -------
 
@@ -223,7 +245,15 @@ class Recorder:
             KeyError: ``request`` was never begun (``begin_request``).
             ValueError: a documented field has the wrong type.
         """
+        if self.live and "finished" in fields and self._writer.has_request(request):
+            self.index.pop(self._writer.request_field(request, "request_id"), None)  # bounded under serve
         self._writer.update_request(request, **fields)
+
+    def output_tokens(self, request: int, tokens: Any) -> None:
+        """Tokens request ``request`` sampled this step (a live audit's token streams; a trace
+        gets them at the end, as ``output_token_ids``)."""
+        if self.live:
+            self._writer.extend_output(request, [int(x) for x in tokens])
 
     def set_run(self, **fields: Any) -> None:
         """Merge fields into the run metadata (``/run``).
@@ -259,10 +289,13 @@ class Recorder:
         self.set_run(fault={"spec": self.config.fault.spec, **where})
 
     def close(self) -> dict:
-        """Finish the trace file (run metadata ``keep`` first); safe to call twice."""
+        """Finish the trace file (run metadata ``keep`` first); safe to call twice.
+        A live audit: its stats (``LiveAuditor.close``)."""
         if self.closed:
             return {}
         self.closed = True
+        if self.live:
+            return self._writer.close()
         for idx in self._writer.request_indices():
             if not self._writer.request_field(idx, "finished"):
                 self._writer.update_request(idx)

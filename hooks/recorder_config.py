@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from statediff.audit.live import LiveConfig
 from statediff_hooks.faults import FaultSpec, parse_fault
 from statediff_hooks.keep import KeepSpec
 
@@ -31,6 +32,8 @@ class RecorderConfig:
     STATEDIFF_RUN_JSON: extra run metadata (JSON object) from the front end.
     STATEDIFF_OVERWRITE: "1" to replace an existing trace.
     STATEDIFF_ACTIVATIONS: "1" for eager-mode hidden-state hooks (perturbs numerics).
+    STATEDIFF_LIVE_AUDIT / STATEDIFF_LIVE_AUDIT_PROMPTS: a live audit instead of a trace
+        (``statediff.audit.live.LiveConfig``; ``live`` set, ``trace`` empty, nothing kept).
     """
 
     trace: str
@@ -42,18 +45,23 @@ class RecorderConfig:
     overwrite: bool = False
     activations: bool = False
     keep: KeepSpec = dataclasses.field(default_factory=KeepSpec)
+    live: LiveConfig | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RecorderConfig | None":
         """The config ``env`` (default: this process's environment) asks for; None when
-        ``STATEDIFF_TRACE`` is unset (recording off).
+        neither ``STATEDIFF_TRACE`` nor ``STATEDIFF_LIVE_AUDIT`` is set (recording off).
 
         Raises:
-            ValueError: a bad ``STATEDIFF_KV``, ``STATEDIFF_FAULT``, ``STATEDIFF_KEEP`` or
-                ``STATEDIFF_FOCUS``.
+            ValueError: a bad ``STATEDIFF_KV``, ``STATEDIFF_FAULT``, ``STATEDIFF_KEEP``,
+                ``STATEDIFF_FOCUS`` or ``STATEDIFF_LIVE_AUDIT*`` (``LiveConfig.from_env``).
         """
         env = os.environ if env is None else env
         trace = env.get("STATEDIFF_TRACE")
+        live = LiveConfig.from_env(env)
+        if live is not None:  # digests only, nothing kept, no trace
+            return cls(trace="", mode="live", kv="all", fault=parse_fault(env.get("STATEDIFF_FAULT") or ""),
+                       keep=KeepSpec.parse("none"), live=live)
         if not trace:
             return None
         kv = env.get("STATEDIFF_KV", "all")

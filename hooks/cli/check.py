@@ -17,7 +17,7 @@ from statediff_hooks.cli.record import engine_side_needed, options_from_params, 
 
 #: ``record`` parameters ``check`` sets itself (per run) or does not take.
 NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "split_like", "focus",
-                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks", "concurrency")
+                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks")
 
 
 @click.command("check", short_help="Record a hit run, audit it, record a cold run, compare them.")
@@ -45,6 +45,12 @@ def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, **p
     and DIR/report.md (what 'statediff report' writes, with the audit), and
     prints both verdicts. --fault plants in the hit run only. Every option, the
     conversation and the model are checked before the first engine starts.
+
+    --concurrency N (N > 1): the hit run replays N copies side by side
+    (engine's own chunking) and is audited; the cold run and compare are
+    skipped, said so in one line: compare pairs only runs of the same N, and
+    N batched copies are not bit-identical to a cold run, so the audit is the
+    check. DIR then holds hit.h5, hit.h5.log and audit.json.
 
     Exit codes: 0 the audit is clean and compare finds no divergence, 1 either
     finds one, 2 error.

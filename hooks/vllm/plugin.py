@@ -4,7 +4,8 @@ Declared in pyproject.toml under ``vllm.general_plugins``; vLLM calls
 ``register()`` once in every process (front end, engine core, workers).
 It does nothing unless ``STATEDIFF_TRACE`` names a trace path (or exact
 replay's ``STATEDIFF_SPLITS`` / ``STATEDIFF_EXACT_BLOCK`` is set, or
-``STATEDIFF_ENGINE_PATCHES=1`` asks for the engine patches alone), and
+``STATEDIFF_LIVE_AUDIT`` names an incident file for a live audit under ``vllm serve``,
+``statediff.audit.live``, or ``STATEDIFF_ENGINE_PATCHES=1`` asks for the engine patches alone), and
 ``STATEDIFF_DISABLE=1`` is a kill switch. Active, it first installs the
 engine patches this platform needs for the engine to run at all
 (``install_engine_patches``: today the CPU stand-ins of ``mamba_align_cpu``);
@@ -128,8 +129,9 @@ def register() -> None:
     """vLLM plugin hook: install the capture patches when STATEDIFF_TRACE is set."""
     if os.environ.get("STATEDIFF_DISABLE") == "1":
         return
+    live = _live_config()  # STATEDIFF_LIVE_AUDIT: a bad value stops here, before the engine starts
     capture = bool(os.environ.get("STATEDIFF_TRACE") or os.environ.get("STATEDIFF_SPLITS")
-                   or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1")
+                   or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1" or live)
     if not (capture or os.environ.get(ENGINE_PATCHES_ENV) == "1"):
         return
     if _originals:
@@ -148,7 +150,7 @@ def register() -> None:
     except (ImportError, AttributeError):
         pass  # no such proposer in this vLLM: the role is not recorded
     _patch(surface.INITIALIZE_KV_CACHE, _check_fault_after)  # refuse a fault that cannot act
-    if os.environ.get("STATEDIFF_TRACE"):  # each KV-cache group's final hit (statediff audit)
+    if os.environ.get("STATEDIFF_TRACE") or live:  # each KV-cache group's final hit (statediff audit)
         from statediff_hooks.vllm.group_hits_v1 import wrap_get_computed_blocks
 
         _patch(surface.GET_COMPUTED_BLOCKS, wrap_get_computed_blocks)
@@ -159,6 +161,21 @@ def register() -> None:
         _patch(surface.RUNNER_V2_INIT, _refuse_v2)
     except ImportError:
         pass
+
+
+def _live_config() -> bool:
+    """Whether ``STATEDIFF_LIVE_AUDIT`` asks for a live audit (``statediff.audit.live``).
+
+    A bad value (``LiveConfig.from_env``) is refused here, in every process, before the
+    engine starts: one line ``statediff: error: ...`` on stderr, then exit status 2.
+    """
+    from statediff.audit.live import LiveConfig
+
+    try:
+        return LiveConfig.from_env() is not None
+    except ValueError as e:
+        print(f"statediff: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 #: Set to 1, the plugin installs its engine patches (``install_engine_patches``) without recording.
@@ -249,7 +266,8 @@ def _fault_name() -> str | None:
         spec = parse_fault(os.environ.get("STATEDIFF_FAULT") or "")
     except ValueError:
         return None  # reported by RecorderConfig.from_env when recording starts
-    return spec.name if spec is not None and os.environ.get("STATEDIFF_TRACE") else None
+    return spec.name if spec is not None and (os.environ.get("STATEDIFF_TRACE") or
+                                              os.environ.get("STATEDIFF_LIVE_AUDIT")) else None
 
 
 def _check_fault_after(orig: Any) -> Any:
@@ -321,7 +339,8 @@ def _capture_for(runner: Any) -> Any:
     # After the writer's own exit handler, so that it runs first (atexit is LIFO)
     # and finishes the trace file instead of leaving a partial one.
     atexit.register(close)
-    _stop_note(config.trace).unlink(missing_ok=True)  # a note left by an earlier program is not this one's
+    if config.live is None:
+        _stop_note(config.trace).unlink(missing_ok=True)  # a note left by an earlier program is not this one's
     _state["recorder"] = rec
     _state["capture"] = cap = V1Capture(rec, runner)
     return cap
@@ -422,7 +441,7 @@ def close() -> dict:
             cap.close()
         except Exception:  # noqa: BLE001
             pass
-    stopped = _read_stop_note(rec.config.trace)
+    stopped = _read_stop_note(rec.config.trace) if getattr(rec.config, "live", None) is None else None
     if stopped is not None and not rec.run_field("stopped"):
         rec.set_run(stopped=stopped)  # the program died in its front end (note_uncaught)
     stats = rec.close()

@@ -232,6 +232,9 @@ class V1Capture:
 
             self.activations = ActivationHooks(self)
         self.step: list[StepReq] = []
+        # live audit only: this step's summaries of hit K/V blocks, (layer, physical block) -> (K, V)
+        # summaries; requests that hit the same prefix in one step read the same blocks, digested once
+        self.kv_seen: dict[tuple[int, int], tuple[Any, Any]] = {}
         # planted faults (faults.py); attention faults fire whether or not K/V are recorded
         self.faults = FaultPlanter(recorder.config.fault, recorder.note_fault)
         self.attn_all = [li for li in self.layers if li.kind == "attn"]
@@ -263,6 +266,7 @@ class V1Capture:
         """Parse the scheduler output (a hit's K/V are read later, through the runner's block table)."""
         for rid in surface.finished_request_ids(so):
             self._finish(rid)
+        self.kv_seen.clear()
         self.step = [self._begin(nr) for nr in surface.new_requests(so)]
         for rid, start, n in surface.continuing_requests(so):
             if rid not in self.rec.index:
@@ -497,14 +501,24 @@ class V1Capture:
             cache = surface.layer_cache(self.ctx[li.name])
             block_bytes = cache[0].numel() * cache.element_size() // 2  # K (or V) of one block
             per = max(1, DIGEST_BATCH_BYTES // max(block_bytes, 1))
-            for b0 in range(0, n, per):
-                ids = phys[b0:min(n, b0 + per)]
+            todo = list(enumerate(phys))
+            if self.rec.live:  # a block another hit of this step read already: its summaries again
+                seen = [(lb, bid) for lb, bid in todo if (li.layer, bid) in self.kv_seen]
+                todo = [(lb, bid) for lb, bid in todo if (li.layer, bid) not in self.kv_seen]
+                for lb, bid in seen:
+                    for kind, summary in zip(("attn.k", "attn.v"), self.kv_seen[(li.layer, bid)]):
+                        self.rec.known(summary, request=sr.index, position=(lb + 1) * bs, token_start=lb * bs,
+                                       layer=li.layer, kind=kind, role="resumed", module=li.name, block=bid)
+            for b0 in range(0, len(todo), per):
+                part = todo[b0:b0 + per]
+                ids = [bid for _, bid in part]
                 k, v = kv_blocks(cache, li.backend, torch.tensor(ids, dtype=torch.long, device=cache.device))
-                for kind, t in (("attn.k", k), ("attn.v", v)):
-                    self.rec.tensors(t, [dict(request=sr.index, position=(lb + 1) * bs, token_start=lb * bs,
-                                              layer=li.layer, kind=kind, role="resumed", module=li.name,
-                                              block=bid, copy=lb < n - 1)
-                                         for lb, bid in enumerate(ids, start=b0)])
+                sums = [self.rec.tensors(t, [dict(request=sr.index, position=(lb + 1) * bs, token_start=lb * bs,
+                                                  layer=li.layer, kind=kind, role="resumed", module=li.name,
+                                                  block=bid, copy=lb < n - 1) for lb, bid in part])
+                        for kind, t in (("attn.k", k), ("attn.v", v))]
+                if self.rec.live:
+                    self.kv_seen.update({(li.layer, bid): (sk, sv) for bid, sk, sv in zip(ids, *sums)})
 
     # -- planted faults (faults.py; vLLM targets in faults_v1.py) ------------
 
@@ -547,6 +561,8 @@ class V1Capture:
         for rid, t in zip(out.req_ids, out.tokens):
             if rid in self.outputs:
                 self.outputs[rid].extend(int(x) for x in t)
+                if self.rec.live and rid in self.rec.index:  # a live audit's token streams
+                    self.rec.output_tokens(self.rec.index[rid], t)
             if rid in self.tokens:
                 self.tokens[rid].extend(int(x) for x in t)
             if self.logprobs.get(rid) is None or not len(t):
@@ -566,6 +582,7 @@ class V1Capture:
         # max_tokens by up to K (the front end truncates; drafter rows match these).
         fields: dict[str, Any] = {"output_token_ids": self.outputs.pop(rid)}
         self.hit_len.pop(rid, None)
+        self.prompt_len.pop(rid, None)
         k = self.logprobs_k.pop(rid, None)
         steps = self.logprobs.pop(rid, None)
         if steps is not None and k is not None:

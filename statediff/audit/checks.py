@@ -37,6 +37,10 @@ class Context:
         self.requests = requests
         self.streams = Streams(requests)
         self.ledger = Ledger(recs)
+        self.read_layers(run)
+
+    def read_layers(self, run: dict[str, Any]) -> None:
+        """Each layer's KV-cache group and block size, from the run's ``layers`` (and block sizes)."""
         self.group: dict[int, int] = {}
         self.bs: dict[int, int] = {}
         default = {"gdn": run.get("mamba_block_size") or run.get("block_size"), "attn": run.get("block_size")}
@@ -49,6 +53,10 @@ class Context:
             bs = li.get("block_size") if isinstance(li.get("block_size"), int) else default[fam]
             if isinstance(bs, int) and bs > 0:
                 self.bs[li["layer"]] = bs
+
+    def same_prefix(self, r: Rec, w: Rec, n: int) -> bool:
+        """``r``'s request and ``w``'s (a write) hold the same first ``n`` tokens and cache_salt."""
+        return self.streams.same_prefix(r.request, w.request, n)
 
     def block_size(self, r: Rec) -> int | None:
         """Tokens per block of ``r``'s layer: the run's per-layer value, else the run's
@@ -87,7 +95,7 @@ def expected_write(ctx: Context, r: Rec) -> tuple[Rec | None, Finding | None, st
     src = ctx.scheduler_block(r)
     if src is None:
         same = [w for w in ctx.ledger.at(r.layer, r.kind, r.position, r.token_start, r.step)
-                if (r.step >= 0 or w.request < r.request) and ctx.streams.same_prefix(r.request, w.request, r.position)]
+                if (r.step >= 0 or w.request < r.request) and ctx.same_prefix(r, w, r.position)]
         if not same:
             return None, None, f"{_label(r)}: no {_what(r)} of this prefix was recorded as saved"
         return same[-1], None, None
@@ -95,10 +103,10 @@ def expected_write(ctx: Context, r: Rec) -> tuple[Rec | None, Finding | None, st
     if w is None:
         return None, None, f"{_label(r)}: nothing recorded was written into block {src} before step {r.step}"
     if w.position == r.position and w.token_start == r.token_start and \
-            ctx.streams.same_prefix(r.request, w.request, r.position):
+            ctx.same_prefix(r, w, r.position):
         return w, None, None
     if not r.is_state and w.token_start == r.token_start and w.position < r.position and \
-            ctx.streams.same_prefix(r.request, w.request, w.position):
+            ctx.same_prefix(r, w, w.position):
         # a partial block (a prompt's tail) completed later by steps the capture does not read
         return None, None, f"{_label(r)}: block {src} was completed after its last recorded write"
     what = (f"the scheduler restored it from block {src}, whose last write (request {w.request}, "
@@ -139,7 +147,7 @@ def diagnose(ctx: Context, r: Rec, expected: Rec) -> str | None:
         return "equals the saved value rounded to bfloat16"
     bs = ctx.block_size(r) or 1
     matches = [w for w in ctx.ledger.matching(r, r.step) if r.step >= 0 or w.request < r.request]
-    same = [w for w in matches if ctx.streams.same_prefix(r.request, w.request, w.position)]
+    same = [w for w in matches if ctx.same_prefix(r, w, w.position)]
     for w in same[::-1]:
         k = (r.position - w.position) // bs
         rel = f"{k} block(s) earlier" if k > 0 else f"{-k} block(s) later"

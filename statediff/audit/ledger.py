@@ -46,6 +46,9 @@ class Rec:
             version-3 trace), else "".
         zero: every element is 0 (None: unknown).
         nonfinite: NaN + Inf elements (-1: unknown).
+        prefix: live audit only: a hash of the token prefix (and cache_salt) the tensor
+            summarises, "" when unknown (``statediff.audit.live``).
+        origin: live audit only: the engine's request id of ``request``.
     """
 
     request: int
@@ -62,6 +65,8 @@ class Rec:
     digest_bf16: str = ""
     zero: bool | None = None
     nonfinite: int = -1
+    prefix: str = ""
+    origin: str = ""
 
     @property
     def is_state(self) -> bool:
@@ -78,13 +83,19 @@ def rec_from(e: TensorEntry | DigestEntry) -> Rec:
     key = dict(request=e.request, position=e.position, token_start=e.token_start, layer=e.layer,
                kind=e.kind, role=e.role, module=e.module, step=e.step, block=e.block)
     if s is not None:
-        return Rec(**key, digest=s.digest, scheme="digest", digest_bf16=s.digest_bf16,
-                   zero=s.is_zero if s.known_moments else None,
-                   nonfinite=s.n_nan + s.n_inf if s.n_nan >= 0 and s.n_inf >= 0 else -1)
+        return rec_from_summary(s, **key)
     if isinstance(e, DigestEntry):  # a version-2 row: the digest alone
         return Rec(**key, digest=e.digest, scheme="digest")
     zero = e.n_nan == 0 and e.n_inf == 0 and e.sumsq == 0.0
     return Rec(**key, digest=e.hash, scheme="hash", zero=zero, nonfinite=e.n_nan + e.n_inf)
+
+
+def rec_from_summary(s: Any, **key: Any) -> Rec:
+    """The audit's view of one tensor's ``Summary`` (``statediff.trace.summary``) under ``key``
+    (the ``Rec`` fields before ``digest``, and optionally ``prefix``, ``origin``)."""
+    return Rec(**key, digest=s.digest, scheme="digest", digest_bf16=s.digest_bf16,
+               zero=s.is_zero if s.known_moments else None,
+               nonfinite=s.n_nan + s.n_inf if s.n_nan >= 0 and s.n_inf >= 0 else -1)
 
 
 class Streams:

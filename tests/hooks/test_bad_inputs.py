@@ -47,10 +47,12 @@ def test_a_bad_concurrency_is_refused_before_the_model_is_read(tmp_path, no_engi
     assert no_engine == [] and list(tmp_path.iterdir()) == []
 
 
-def test_check_takes_no_concurrency(tmp_path, no_engine):
-    r = run("check", "--concurrency", "2", "-o", str(tmp_path / "d"))
+def test_check_concurrency_with_exact_is_refused_before_the_engine(tmp_path, no_engine):
+    r = run("check", "--concurrency", "2", "--exact", "-o", str(tmp_path / "d"))
     assert (r.exit_code, r.stderr.splitlines()) == (2, [
-        "statediff: error: No such option '--concurrency'. (see 'statediff --help')"])
+        "statediff: error: --concurrency 2 replays the copies with the engine's own chunking; --exact is not "
+        "supported with it"])
+    assert no_engine == [] and list(tmp_path.iterdir()) == []
 
 
 def test_a_fault_in_a_cold_run_is_refused_before_the_model_is_read(tmp_path, no_engine):

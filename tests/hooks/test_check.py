@@ -174,3 +174,37 @@ def test_a_clean_audit_does_not_end_the_check(tmp_path, synthetic_runs):
         "audit of the hit run: CLEAN: 14 restored tensor(s) of 2 hit(s) read exactly what the run saved",
         "SAME: no divergence beyond tolerance in 38 pairs"]
     assert json.loads((out / "audit.json").read_text())["verdict"] == "clean"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--concurrency", "0"], "Invalid value for '--concurrency': 0 is not in the range x>=1. (see 'statediff --help')"),
+    (["--concurrency", "4", "--exact"],
+     "--concurrency 4 replays the copies with the engine's own chunking; --exact is not supported with it"),
+])
+def test_concurrency_is_checked_before_any_engine(tmp_path, no_record, args, line):
+    out = tmp_path / "d"
+    r = check(*args, "-o", str(out))
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: {line}"])
+    assert no_record == [] and not out.exists()
+
+
+def test_concurrency_audits_the_hit_run_and_skips_the_cold_run_with_the_reason(tmp_path, synthetic_runs):
+    out = tmp_path / "d"
+    o = CheckOptions(output_dir=str(out), base=RecordingOptions(output="", mode="hit", concurrency=4,
+                                                                fault="ssm-bf16"))
+    hit = o.run_options("hit")
+    assert (hit.concurrency, hit.exact, hit.exact_split, hit.split_like) == (4, False, False, None)
+    assert "--concurrency" in argv_from_options(hit) and "--exact-split" not in argv_from_options(hit)
+    steps = []
+    result = run_check(o, say=steps.append)
+    skip = ("cold run and compare skipped: with --concurrency 4 the copies' prefills are batched, so no cold run "
+            "is bit-identical to the hit run (and compare pairs only runs of the same concurrency); the audit "
+            "of the hit run is the check")
+    assert synthetic_runs == ["hit"]
+    assert steps == [f"[1/4] hit run (the engine's own chunking, 4 copies side by side) -> {out / 'hit.h5'}",
+                     f"[2/4] audit the hit run -> {out / 'audit.json'}", f"[3/4] {skip}"]
+    assert (result.exit_code, result.compare) == (1, None)
+    lines = result.lines()
+    assert lines[1].startswith("audit of the hit run: RESTORE VIOLATION: first at request 3 position 48 layer 0")
+    assert lines[-3:] == [skip, "", f"wrote {out}/: hit.h5 (engine log: hit.h5.log), audit.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["audit.json", "hit.h5"]

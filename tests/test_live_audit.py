@@ -1,0 +1,129 @@
+"""``statediff.audit.live`` without an engine: configuration from the environment, the checks the
+offline audit runs, fed step by step, the incident line, and the ledger's bound."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from statediff.audit.live import LiveAuditor, LiveConfig
+from statediff.trace.summary import Summary
+
+BS = 128
+LAYERS = [{"layer": 0, "module": "model.layers.0.linear_attn", "type": "gdn", "group": 0, "block_size": BS},
+          {"layer": 1, "module": "model.layers.1.self_attn", "type": "attn", "group": 1, "block_size": BS}]
+PREFIX = list(range(10, 10 + 3 * BS))
+
+
+def s(digest: str, zero: bool = False) -> Summary:
+    return Summary(digest=digest * 32 if len(digest) == 1 else digest, sum=0.0 if zero else 1.0,
+                   sumsq=0.0 if zero else 1.0, absmax=0.0 if zero else 1.0, n_nan=0, n_inf=0)
+
+
+def write(a: LiveAuditor, req: int, pos: int, block: int, digest: str, step: int) -> None:
+    a.add_digest(s(digest), dtype="float32", shape=(4,), request=req, position=pos, token_start=pos, layer=0,
+                 kind="gdn.conv_state", role="checkpoint", module="m", step=step, block=block)
+
+
+def restore(a: LiveAuditor, req: int, pos: int, block: int, summary: Summary, step: int) -> None:
+    a.add_digest(summary, dtype="float32", shape=(4,), request=req, position=pos, token_start=pos, layer=0,
+                 kind="gdn.conv_state", role="resumed", module="m", step=step, block=block)
+
+
+def auditor(tmp_path, prompts: bool = True) -> LiveAuditor:
+    a = LiveAuditor({"block_size": BS, "mamba_block_size": BS}, LiveConfig(str(tmp_path / "inc.jsonl"), prompts))
+    a.update_run(layers=LAYERS)
+    return a
+
+
+def hit(a: LiveAuditor, idx: int, rid: str, prompt: list[int], blocks: list[int], summary: Summary, step: int) -> None:
+    """Request ``idx`` resumes 384 tokens from ``blocks`` (group 0's scheduler row)."""
+    a.begin_request(idx, rid, prompt, num_cached_tokens=384)
+    a.update_request(idx, hit_block_table={"runner": [blocks, []], "scheduler": [blocks, []]})
+    restore(a, idx, 384, 20 + idx, summary, step)
+    a.end_step()
+
+
+def test_a_zeroed_restore_is_one_incident_with_who_wrote_the_expected_value(tmp_path, caplog):
+    a = auditor(tmp_path)
+    a.begin_request(0, "cmpl-a-0", PREFIX + [1, 2])
+    for k, b in enumerate((4, 5, 6)):
+        write(a, 0, (k + 1) * BS, b, "abc"[k], step=k)
+        a.end_step()
+    a.update_request(0, finished=True)  # the writer finished: its prefix is remembered by hash
+    hit(a, 1, "cmpl-b-0", PREFIX + [3], [4, 5, 6], s("c"), step=5)  # exact copy: clean
+    with caplog.at_level(logging.WARNING, logger="statediff"):
+        hit(a, 2, "cmpl-c-0", PREFIX + [4], [4, 5, 6], s("0", zero=True), step=6)
+        restore(a, 2, 384, 22, s("0", zero=True), step=7)  # a second violation of the same request
+        a.end_step()
+    lines = (tmp_path / "inc.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    got = json.loads(lines[0])
+    assert {k: got[k] for k in ("request_id", "check", "step", "position", "layer", "kind")} == {
+        "request_id": "cmpl-c-0", "check": "state", "step": 6, "position": 384, "layer": 0, "kind": "gdn.conv_state"}
+    assert got["diagnosis"] == "all zeros: the restored value was never written, or was zeroed"
+    assert got["expected"] == {"digest": "c" * 32, "request_id": "cmpl-a-0", "step": 2, "block": 6,
+                               "position": 384, "token_start": 384}
+    assert got["got"] == {"digest": "0" * 32, "block": 22} and got["prompt_token_ids"] == PREFIX + [4]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"statediff live audit: request cmpl-c-0 step 6 position 384 layer 0 gdn.conv_state: resumed state differs "
+        f"from the checkpoint saved at this boundary; all zeros: the restored value was never written, or was "
+        f"zeroed (incident appended to {tmp_path / 'inc.jsonl'})"]
+    assert a.close()["incidents"] == 1 and a.close()["restores_checked"] == 2
+
+
+def test_prompts_off_and_a_block_rewritten_for_another_prefix(tmp_path):
+    a = auditor(tmp_path, prompts=False)
+    a.begin_request(0, "r0", PREFIX)
+    write(a, 0, 384, 6, "c", step=0)
+    a.end_step()
+    a.update_request(0, finished=True)
+    a.begin_request(1, "r1", [999] * 400)  # block 6 reused for another prefix
+    write(a, 1, 384, 6, "d", step=1)
+    a.end_step()
+    assert len(a.ctx.ledger) == 1  # one write per (layer, kind, block): the old one is gone
+    assert sum(len(v) for v in a.ctx.ledger.by_digest.values()) == 1
+    hit(a, 2, "r2", PREFIX + [5], [4, 5, 6], s("c"), step=3)  # restores PREFIX from a block now holding r1's
+    got = json.loads((tmp_path / "inc.jsonl").read_text())
+    assert (got["check"], got["expected"]["request_id"]) == ("block_owner", "r1")
+    assert "prompt_token_ids" not in got
+    for i in (1, 2):
+        a.update_request(i, finished=True)
+    assert a.requests == {} and a.tokens == {}
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"STATEDIFF_LIVE_AUDIT": "x.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "no"},
+     "STATEDIFF_LIVE_AUDIT_PROMPTS='no': expected 0 (leave prompts out) or 1"),
+    ({"STATEDIFF_LIVE_AUDIT_PROMPTS": "0"}, "STATEDIFF_LIVE_AUDIT_PROMPTS is set but STATEDIFF_LIVE_AUDIT is not"),
+    ({"STATEDIFF_LIVE_AUDIT": "/nonexistent/dir/x.jsonl"},
+     "STATEDIFF_LIVE_AUDIT=/nonexistent/dir/x.jsonl: directory /nonexistent/dir does not exist"),
+    ({"STATEDIFF_LIVE_AUDIT": "x.jsonl", "STATEDIFF_TRACE": "t.h5"},
+     "STATEDIFF_LIVE_AUDIT and STATEDIFF_TRACE are both set"),
+])
+def test_bad_configuration_is_one_line(env, error):
+    with pytest.raises(ValueError) as e:
+        LiveConfig.from_env(env)
+    assert str(e.value).startswith(error) and "\n" not in str(e.value)
+
+
+def test_configuration(tmp_path):
+    assert LiveConfig.from_env({}) is None
+    assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": str(tmp_path / "i.jsonl")}) == LiveConfig(
+        str(tmp_path / "i.jsonl"), True)
+    assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": "i.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "0"}).prompts is False
+
+
+def test_the_plugin_refuses_a_bad_value_in_one_line_before_the_engine(monkeypatch, capsys):
+    from statediff_hooks.vllm import plugin
+
+    monkeypatch.setenv("STATEDIFF_LIVE_AUDIT", "i.jsonl")
+    monkeypatch.setenv("STATEDIFF_LIVE_AUDIT_PROMPTS", "yes")
+    monkeypatch.delenv("STATEDIFF_DISABLE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        plugin.register()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("statediff: error: STATEDIFF_LIVE_AUDIT_PROMPTS='yes': expected 0 (leave "
+                                       "prompts out) or 1\n")
