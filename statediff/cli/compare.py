@@ -10,6 +10,17 @@ from .shared import (OUT_FILE, PATH, compare_options, compare_pair, emit, json_o
                      refuse_existing, warn)
 
 
+def compare_set_or_pair(hit: Path, cold: Path, options, **kw):
+    """Two tensor-parallel sets rank by rank (``statediff.diff.ranks``: a ``RankedResult``), else the
+    pair (``compare_pair``)."""
+    from statediff.diff.ranks import compare_ranks
+    from statediff.trace import open_trace
+
+    ranked = compare_ranks(hit, cold, open_trace(hit).run, open_trace(cold).run,
+                           lambda h, c: compare_pair(h, c, options, **kw))
+    return ranked if ranked is not None else compare_pair(hit, cold, options, **kw)
+
+
 @click.command("compare", short_help="Name the first divergent tensor of HIT vs COLD.")
 @click.argument("hit", type=PATH)
 @click.argument("cold", type=PATH, required=False)  # omitted: HIT is a bundle .zip (statediff extract)
@@ -43,6 +54,10 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     commands that record it (--json: "focus" and "focus_commands").
     Exit 0 no divergence, 1 divergence, 2 error.
 
+    Tensor-parallel recordings (record --tensor-parallel-size N): give each
+    set's rank-0 trace; rank r is compared with rank r, shard by shard, and
+    the root names its rank.
+
     'statediff compare BUNDLE.zip' compares the two traces of a bundle
     written by 'statediff extract', with the options it was extracted with.
     """
@@ -57,7 +72,7 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
         require_matplotlib()
     kw = dict(max_listed=max_listed, progress=progress_wanted(as_json), stop_at_first=first)
     if cold is not None:
-        result = compare_pair(hit, cold, options, **kw)
+        result = compare_set_or_pair(hit, cold, options, **kw)
     elif looks_like_bundle(hit):
         result = compare_bundle(hit, options, **kw)
     else:
@@ -66,7 +81,7 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     emit(result, as_json)
     if plot is not None:
         try:
-            where = write_plot(result, plot)
+            where = write_plot(getattr(result, "root", result), plot)  # a set: its root rank's heatmap
         except StatediffError as e:  # the verdict above stands, and so does its exit code
             warn(f"no plot written: {e}")
         else:  # on stderr: stdout holds the report (one JSON object with --json)
