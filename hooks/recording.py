@@ -198,8 +198,12 @@ class RecordingResult:
         out = [self.replayed.summary, *self.hit_lines, *self.replayed.sweep_lines,
                f"  tensors: {s.get('tensors')}, raw {s.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {s.get('bytes_file', 0) / 1e6:.1f} MB"]
+        if s.get("ranks"):  # tensor parallel: one trace per rank (vllm/tp_v1.py)
+            out.append(f"  tensor parallel: {len(s['ranks'])} ranks, one trace each: " + ", ".join(
+                f"{os.path.basename(r['trace'])} (rank {r['rank']}: {r['tensors']} tensors)" for r in s["ranks"])
+                + f"; 'statediff compare' takes {os.path.basename(s['ranks'][0]['trace'])}")
         if self.kept:
-            out.append(_kept_line(self.kept))
+            out.append(_kept_line(self.kept) + (" in rank 0's trace" if s.get("ranks") else ""))
         if self.replay_check is not None:
             out.append(self.replay_check.to_text())
         return out

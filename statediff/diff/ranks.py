@@ -78,7 +78,8 @@ class RankedResult:
         out = [self.headline(), f"tensor parallel: {self.world_size} ranks, each rank's shards compared with the "
                                 "same rank's (rank r of HIT vs rank r of COLD)"]
         for r, (res, (h, c)) in enumerate(zip(self.results, self.paths)):
-            first = f"; first divergence at {res.first.where()}" if res.first is not None else ""
+            first = (f"; first divergence at {res.first.where()}" if res.first is not None else
+                     f" ({res.cause} only)" if res.cause not in (None, "tensor") else "")
             out.append(f"  rank {r}: {h.name} vs {c.name}: {res.verdict.upper()}, {res.pairs} pairs{first}")
         r = self.root_rank or 0
         out += ["", f"rank {r} of {self.world_size} ({self.paths[r][0].name} vs {self.paths[r][1].name}):",

@@ -98,7 +98,9 @@ def test_a_set_against_a_plain_trace_or_another_layout_is_refused(tmp_path):
 def _res(first=None, code=0):
     d = None if first is None else types.SimpleNamespace(request=first[0], position=first[1], layer=first[2],
                                                          kind=first[3])
-    return types.SimpleNamespace(first=d, exit_code=code)
+    return types.SimpleNamespace(first=d, exit_code=code, cause=None if code == 0 else "tensor" if first else
+                                 "outputs", verdict="same" if code == 0 else "diverged", pairs=3,
+                                 headline=lambda: "DIVERGED: ...")
 
 
 def test_the_root_rank_is_the_earliest_first_divergence_in_causal_order():
@@ -109,3 +111,16 @@ def test_the_root_rank_is_the_earliest_first_divergence_in_causal_order():
     assert _root_rank([_res(), _res(code=1)]) == 1  # outputs only
     r = RankedResult(2, [(Path("a"), Path("b"))] * 2, [_res(), _res(code=2)], None)
     assert r.exit_code == 2
+
+
+def test_the_rank_lines_say_where_each_rank_diverged():
+    r = RankedResult(2, [(Path("h.h5"), Path("c.h5")), (Path("h.rank1.h5"), Path("c.rank1.h5"))],
+                     [_res(code=1), _res((1, 448, 3, "attn.k"), 1)], 1)
+    r.results[1].first.where = lambda: "request 1, position 448, layer 3, attn.k"
+    r.results[1].to_text = lambda: "(rank 1's report)"
+    lines = r.to_text().splitlines()
+    assert lines[0] == "DIVERGED: first divergence at rank 1 of 2, request 1, position 448, layer 3, attn.k"
+    assert lines[2:4] == ["  rank 0: h.h5 vs c.h5: DIVERGED, 3 pairs (outputs only)",
+                          "  rank 1: h.rank1.h5 vs c.rank1.h5: DIVERGED, 3 pairs; first divergence at request 1, "
+                          "position 448, layer 3, attn.k"]
+    assert lines[5:] == ["rank 1 of 2 (h.rank1.h5 vs c.rank1.h5):", "(rank 1's report)"]

@@ -26,6 +26,7 @@ def tp_traces(tmp_path_factory) -> dict[str, Path]:
                               ("hit-kv-stale", "hit", ("--fault", "kv-stale:rank=1"))):
         path = root / f"{name}.h5"
         r = run_cli("record", "--model", "tiny-tp", "--tensor-parallel-size", "2", "--block-size", "32", "--exact",
+                    "--enforce-eager",
                     "--mode", mode, "-o", str(path), "--no-progress", *PIN, *extra, timeout=900)
         assert r.returncode == 0, f"record {name} failed:\n{r.stderr[-3000:]}"
         out[name] = path
