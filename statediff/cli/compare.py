@@ -17,8 +17,35 @@ def compare_set_or_pair(hit: Path, cold: Path, options, **kw):
     from statediff.trace import open_trace
 
     ranked = compare_ranks(hit, cold, open_trace(hit).run, open_trace(cold).run,
-                           lambda h, c: compare_pair(h, c, options, **kw))
+                           lambda h, c: compare_pair(h, c, options, **kw),
+                           lambda s, n, single, side: _merged_compare(s, n, single, side, options, **kw))
     return ranked if ranked is not None else compare_pair(hit, cold, options, **kw)
+
+
+def _merged_compare(set0: Path, size: int, single: Path, side: str, options, **kw):
+    """A tensor-parallel set against a single trace: the set's unsharded tensors
+    (``ranks.merge_set``, in a temporary directory) against it, by tolerance
+    (``--allow-engine-mismatch`` required: the layouts and the reduction order differ)."""
+    import dataclasses
+    import tempfile
+
+    from statediff.diff.ranks import merge_set
+    from statediff.errors import StatediffError
+
+    if not options.allow_engine_mismatch:
+        raise StatediffError(f"{set0} is a {size}-rank tensor-parallel set and {single} one trace: give "
+                             "--allow-engine-mismatch to compare the set's unsharded tensors with it by tolerance "
+                             "(the layout and the reduction order differ, so bit identity cannot hold)")
+    with tempfile.TemporaryDirectory(prefix="statediff-merged-") as tmp:
+        merged = Path(tmp) / f"{set0.stem}.merged.h5"
+        field = merge_set(set0, merged)
+        hit, cold = (merged, single) if side == "hit" else (single, merged)
+        result = compare_pair(hit, cold, options, **kw)
+    note = (f"tensor parallel: the {side} side is {set0} ({size} ranks), unsharded (each kind's shards placed by "
+            f"run field tensor_parallel.shards; the conv state's q, k and v parts each where they belong): "
+            f"{field['merged']} tensors merged, {field['left_out']} left out (digest only on a rank, whose digests "
+            "cannot be combined); judged by tolerance against one rank's layout")
+    return dataclasses.replace(result, warnings=[note, *result.warnings])
 
 
 @click.command("compare", short_help="Name the first divergent tensor of HIT vs COLD.")

@@ -99,10 +99,13 @@ class RankedResult:
 
 
 def compare_ranks(hit: Path, cold: Path, hit_run: dict, cold_run: dict,
-                  compare_one: Callable[[Path, Path], Any]) -> RankedResult | None:
+                  compare_one: Callable[[Path, Path], Any],
+                  merged_compare: Callable[[Path, int, Path, str], Any] | None = None) -> Any:
     """Compare two tensor-parallel sets rank by rank; None when neither is one.
 
     ``compare_one(hit_rank_path, cold_rank_path)`` returns one rank's ``CompareResult``.
+    ``merged_compare(set_rank0, world_size, single, side)``: a set against a single trace
+    (``side``: which side the set is), its result returned as is; None refuses that pair.
 
     Raises:
         StatediffError: only one side is a set, the world sizes or the shard layouts differ, or a
@@ -111,6 +114,10 @@ def compare_ranks(hit: Path, cold: Path, hit_run: dict, cold_run: dict,
     hs, cs = rank_set(hit, hit_run), rank_set(cold, cold_run)
     if hs is None and cs is None:
         return None
+    if hs is not None and cs is None and not cold_run.get("tensor_parallel") and merged_compare is not None:
+        return merged_compare(hit, len(hs), cold, "hit")
+    if cs is not None and hs is None and not hit_run.get("tensor_parallel") and merged_compare is not None:
+        return merged_compare(cold, len(cs), hit, "cold")
     if hs is None or cs is None or len(hs) != len(cs):
         def size(s: list | None, run: dict) -> str:
             tp = run.get("tensor_parallel")
@@ -142,3 +149,99 @@ def _root_rank(results: list[Any]) -> int | None:
     if tensor:
         return min(tensor)[1]
     return next((r for r, res in enumerate(results) if res.exit_code != 0), None)
+
+
+def unshard(kind: str, arrays: list[Any], layouts: list[dict]) -> Any | None:
+    """The unsharded tensor of ``kind`` from every rank's shard (numpy arrays, rank order) and each
+    rank's run field ``tensor_parallel.shards``; rank 0's array for a kind no layout names
+    (replicated on every rank); None when the layouts do not cover the arrays.
+
+    ``gdn.conv_state``: each rank's q, k and v parts placed where their ``global`` slice says
+    (vLLM shards the three sub-projections each on its own: the ranks concatenated are not the
+    state). Other kinds: each rank's array placed at its ``slice`` along ``axis``.
+    """
+    import numpy as np
+
+    shards = [lay.get(kind) for lay in layouts]
+    if all(s is None for s in shards):
+        return arrays[0]
+    if any(s is None for s in shards):
+        return None
+    axis = shards[0]["axis"]
+    if kind == "gdn.conv_state":
+        pieces = [[(p["local"], p["global"]) for p in s["parts"]] for s in shards]
+        total = max(g[1] for ps in pieces for _, g in ps)
+    else:
+        pieces = [[([0, s["slice"][1] - s["slice"][0]], s["slice"])] for s in shards]
+        total = shards[0]["of"]
+    shape = list(arrays[0].shape)
+    if axis >= len(shape):
+        return None
+    shape[axis] = total
+    out = np.zeros(shape, dtype=arrays[0].dtype)
+    for arr, ps in zip(arrays, pieces):
+        for local, glob in ps:
+            src, dst = [slice(None)] * len(shape), [slice(None)] * len(shape)
+            src[axis], dst[axis] = slice(*local), slice(*glob)
+            out[tuple(dst)] = arr[tuple(src)]
+    return out
+
+
+def merge_set(rank0: Path, out: Path) -> dict:
+    """Write the unsharded (logical) tensors of the tensor-parallel set whose rank-0 trace is
+    ``rank0`` as one trace at ``out``: every key (request, position, layer, kind, role, token
+    start) that holds data on every rank, ``unshard``-ed; rank 0's run and request records, with
+    run field ``tensor_parallel`` replaced by ``tensor_parallel_merged`` (``world_size``,
+    ``traces``, ``merged``: tensors written, ``left_out``: keys without data on some rank, e.g.
+    digest-only ones, whose digests cannot be combined).
+
+    Returns:
+        the ``tensor_parallel_merged`` field.
+    Raises:
+        StatediffError: ``rank0`` is not rank 0 of a set; a rank trace is unreadable.
+    """
+    import contextlib
+
+    from statediff.trace import TraceWriter, open_trace
+
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(open_trace(rank0))
+        paths = rank_set(rank0, first.run)
+        if paths is None:
+            raise StatediffError(f"{rank0}: not rank 0 of a tensor-parallel set (run field tensor_parallel)")
+        traces = [first] + [stack.enter_context(open_trace(p)) for p in paths[1:]]
+        layouts = [t.run["tensor_parallel"].get("shards") or {} for t in traces]
+
+        def key(e: Any) -> tuple:
+            return (e.request, e.position, e.layer, e.kind, e.role, e.token_start)
+
+        per_rank = [{key(e): e for e in t.entries} for t in traces]
+        keys = [k for k in per_rank[0] if all(k in m for m in per_rank[1:])]
+        left_out = len(set().union(*per_rank) - set(keys)) + len(first.digests)
+        run = {k: v for k, v in first.run.items() if k != "tensor_parallel"}
+        field = {"world_size": len(paths), "traces": [p.name for p in paths], "merged": 0, "left_out": left_out}
+        w = TraceWriter(out, run | {"tensor_parallel_merged": field}, overwrite=True, threads=0)
+        try:
+            for i in sorted(first.requests):
+                rec = dict(first.requests[i])
+                prompt, outputs = rec.pop("prompt_token_ids", None) or [], rec.pop("output_token_ids", None) or []
+                request_id = rec.pop("request_id", None)
+                rec.pop("index", None)
+                w.begin_request(i, request_id, prompt, output_token_ids=outputs, **rec)
+            for k in sorted(keys, key=lambda k: (per_rank[0][k].step, per_rank[0][k].causal_order)):
+                e = per_rank[0][k]
+                arr = unshard(e.kind, [t.read(m[k]) for t, m in zip(traces, per_rank)], layouts)
+                if arr is None:
+                    field["left_out"] += 1
+                    continue
+                w.add(arr, request=e.request, position=e.position, layer=e.layer, kind=e.kind, role=e.role,
+                      module=e.module, dtype=e.dtype, token_start=e.token_start, step=e.step, block=e.block)
+                field["merged"] += 1
+            w.update_run(tensor_parallel_merged=field)
+            w.end_step()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                w.close()
+            raise
+        w.close()
+    return field
