@@ -35,8 +35,15 @@ from typing import Any
 __all__ = ["VERIFIED_VERSIONS", "check_supported", "rank_of", "rank_trace_path", "shard_layout",
            "tensor_parallel_field", "unshard_conv"]
 
-#: vLLM versions whose tensor-parallel layout statediff verified (engine tests under TP=2).
-VERIFIED_VERSIONS = ("0.32",)
+def _verified() -> tuple[str, ...]:
+    from statediff_hooks.vllm.surface import VERSIONS
+
+    return tuple(v.version.rsplit(".0", 1)[0] if v.version.endswith(".0") else v.version
+                 for v in VERSIONS if v.tensor_parallel)
+
+
+#: vLLM versions whose tensor-parallel layout statediff verified (``surface.VersionFacts.tensor_parallel``).
+VERIFIED_VERSIONS = _verified()
 
 
 def rank_trace_path(trace: str | Path, rank: int) -> str:
