@@ -474,6 +474,7 @@ def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:
         raise StatediffError(why)
     if n == 1:
         return {}
+    _clear_rank_traces(options.output, n, options.overwrite)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         if len(cores) < n:
@@ -483,6 +484,23 @@ def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(n))
     return {"tensor_parallel_size": n}
+
+
+def _clear_rank_traces(output: str, n: int, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, remove) rank traces ``STEM.rankR.h5`` an earlier recording left
+    at ``output``: a rank whose worker failed must not leave the old file to be read as this run's.
+
+    Raises:
+        StatediffError: such a file exists without ``overwrite``.
+    """
+    from statediff_hooks.vllm.tp_v1 import rank_trace_path
+
+    for r in range(1, n):
+        p = rank_trace_path(output, r)
+        if os.path.lexists(p):
+            if not overwrite:
+                raise StatediffError(f"{p} exists (rank {r}'s trace of -o {output}); --overwrite replaces it")
+            os.unlink(p)
 
 
 def parse_speculative_config(text: str | None, seed: int) -> dict | None:

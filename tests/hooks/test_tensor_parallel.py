@@ -124,3 +124,14 @@ def test_the_rank_lines_say_where_each_rank_diverged():
                           "  rank 1: h.rank1.h5 vs c.rank1.h5: DIVERGED, 3 pairs; first divergence at request 1, "
                           "position 448, layer 3, attn.k"]
     assert lines[5:] == ["rank 1 of 2 (h.rank1.h5 vs c.rank1.h5):", "(rank 1's report)"]
+
+
+def test_an_old_rank_trace_is_refused_or_with_overwrite_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setattr("statediff_hooks.vllm.surface.installed_version", lambda: "0.32.0")
+    out, old = tmp_path / "t.h5", tmp_path / "t.rank1.h5"
+    old.write_bytes(b"old")
+    with pytest.raises(StatediffError, match=r"t\.rank1\.h5 exists \(rank 1's trace of -o .*\); --overwrite replaces it"):
+        tensor_parallel_arguments(RecordingOptions(str(out), "hit", tensor_parallel_size=2), {})
+    got = tensor_parallel_arguments(RecordingOptions(str(out), "hit", tensor_parallel_size=2, overwrite=True), {})
+    assert got == {"tensor_parallel_size": 2} and not old.exists()
