@@ -218,7 +218,8 @@ def merge_set(rank0: Path, out: Path) -> dict:
         per_rank = [{key(e): e for e in t.entries} for t in traces]
         keys = [k for k in per_rank[0] if all(k in m for m in per_rank[1:])]
         left_out = len(set().union(*per_rank) - set(keys)) + len(first.digests)
-        run = {k: v for k, v in first.run.items() if k != "tensor_parallel"}
+        # keep: its counts are rank 0's, not the merged trace's (which holds no digest-only tensor)
+        run = {k: v for k, v in first.run.items() if k != "tensor_parallel"} | {"keep": None}
         field = {"world_size": len(paths), "traces": [p.name for p in paths], "merged": 0, "left_out": left_out}
         w = TraceWriter(out, run | {"tensor_parallel_merged": field}, overwrite=True, threads=0)
         try:
