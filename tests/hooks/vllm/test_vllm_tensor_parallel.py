@@ -2,7 +2,8 @@
 compare names the rank of a fault planted in one rank's shard.
 
 Three TP=2 recordings in all (each a minute or more of CI), shared through one module fixture:
-a fault-free exact hit run, its cold run, and a hit run with ``kv-stale`` planted on rank 1 only.
+a fault-free exact hit run, its cold run, and a hit run with ``kv-stale`` planted on rank 1 only;
+and one TP=1 hit run of the same weights.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ def tp_traces(tmp_path_factory) -> dict[str, Path]:
     require_engine()
     root = tmp_path_factory.mktemp("tp")
     out = {}
-    for name, mode, extra in (("hit", "hit", ()), ("cold", "cold", ()),
-                              ("hit-kv-stale", "hit", ("--fault", "kv-stale:rank=1"))):
+    tp2 = ("--tensor-parallel-size", "2", "--block-size", "32")  # TP=2 raises the block size to 64
+    for name, mode, extra in (("hit", "hit", tp2), ("cold", "cold", tp2),
+                              ("hit-kv-stale", "hit", (*tp2, "--fault", "kv-stale:rank=1")),
+                              ("tp1", "hit", ("--block-size", "64"))):  # the same weights on one rank
         path = root / f"{name}.h5"
-        r = run_cli("record", "--model", "tiny-tp", "--tensor-parallel-size", "2", "--block-size", "32", "--exact",
-                    "--enforce-eager",
+        r = run_cli("record", "--model", "tiny-tp", "--exact", "--enforce-eager",
                     "--mode", mode, "-o", str(path), "--no-progress", *PIN, *extra, timeout=900)
         assert r.returncode == 0, f"record {name} failed:\n{r.stderr[-3000:]}"
         out[name] = path
@@ -54,6 +56,9 @@ def test_each_rank_writes_its_own_trace_with_its_shard_layout(tp_traces):
     assert tp1["shards"]["gdn.ssm_state"] == {"axis": 0, "of": 4, "slice": [2, 4]}
     assert tp1["shards"]["attn.k"] == {"axis": 0, "of": 4, "slice": [2, 4]}
     assert tp0["shards"]["attn.v"] == {"axis": 0, "of": 4, "slice": [0, 2]}
+    # exact replay: the scheduler (in the engine core) ran one block per step; each rank says so
+    for run in (_run(hit), _run(rank1)):
+        assert (run["max_num_batched_tokens"], run["effective"]["max_num_scheduled_tokens"]) == (64, 64)
 
 
 def test_fault_free_pair_is_the_same_on_every_rank_bit_for_bit(tp_traces):
@@ -81,3 +86,17 @@ def test_a_fault_on_rank_1_is_named_with_its_rank_layer_tensor_and_position(tp_t
                                "(model.layers.3.self_attn.attn), attn.k")
     rank0 = out["ranks"][0]["first"]  # rank 0's own shards: wrong only after the collective, later
     assert rank0 is None or (rank0["request"], rank0["position"]) > (1, 448) or rank0["layer"] > 3
+
+
+def test_tp2_against_tp1_of_the_same_weights_is_judged_on_unsharded_tensors_by_tolerance(tp_traces):
+    r = run_cli("compare", str(tp_traces["hit"]), str(tp_traces["tp1"]), "--json")
+    assert r.returncode == 2
+    assert "give --allow-engine-mismatch to compare the set's unsharded tensors with it by tolerance" in r.stderr
+    r = run_cli("compare", str(tp_traces["hit"]), str(tp_traces["tp1"]), "--json", "--allow-engine-mismatch")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    out = json.loads(r.stdout)
+    # eager mode: a greedy token of the random-weight model can part at a near-tie (exit 0, not a divergence)
+    assert out["verdict"] in ("same", "near-tie") and not out["tolerance_policy"].startswith("exact")
+    assert out["pairs"] == 64 and out["divergent"] == 0  # every tensor with data at the hit boundaries
+    assert out["warnings"][0].startswith(f"tensor parallel: the hit side is {tp_traces['hit']} (2 ranks), unsharded")
+    assert "64 tensors merged, 170 left out" in out["warnings"][0]
