@@ -7,7 +7,9 @@ prefix-cache hit deep enough for it, after the engine restored the state
 and before the forward reads it. The recorder notes in the run metadata
 exactly where it fired (request, position, layer, tensor kind).
 
-Spec syntax: ``NAME[:layer=L][:request=R]``, e.g. ``ssm-wrong-block:layer=1``.
+Spec syntax: ``NAME[:layer=L][:request=R][:rank=K]``, e.g. ``ssm-wrong-block:layer=1``.
+``rank=K`` (tensor parallel, vLLM): only tensor-parallel rank K's worker plants it, in its
+own shards; the other ranks restore correctly.
 
 Both engine adapters plant faults through one interface: the adapter
 describes where a fault may fire (``Site``: request, hit, layer) and
@@ -70,11 +72,13 @@ LOGIT_OFFSET = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class FaultSpec:
-    """A parsed fault spec. ``layer``/``request`` None mean: first eligible."""
+    """A parsed fault spec. ``layer``/``request`` None mean: first eligible; ``rank`` None: every
+    tensor-parallel rank plants it (K: only rank K's worker)."""
 
     name: str
     layer: int | None = None
     request: int | None = None
+    rank: int | None = None
 
     @property
     def kind(self) -> str:
@@ -97,11 +101,13 @@ class FaultSpec:
             s += f":layer={self.layer}"
         if self.request is not None:
             s += f":request={self.request}"
+        if self.rank is not None:
+            s += f":rank={self.rank}"
         return s
 
 
 def parse_fault(text: str) -> FaultSpec | None:
-    """Parse ``NAME[:layer=L][:request=R]``; empty text means no fault.
+    """Parse ``NAME[:layer=L][:request=R][:rank=K]``; empty text means no fault.
 
     Raises:
         ValueError: unknown fault name or malformed option (message lists the valid names).
@@ -115,8 +121,11 @@ def parse_fault(text: str) -> FaultSpec | None:
     kw: dict[str, int] = {}
     for opt in opts:
         key, sep, val = opt.partition("=")
-        if not sep or key not in ("layer", "request") or not val.lstrip("-").isdigit():
-            raise ValueError(f"bad fault option {opt!r} in {text!r}; expected layer=N or request=N")
+        if not sep or key not in ("layer", "request", "rank") or not val.lstrip("-").isdigit():
+            raise ValueError(f"bad fault option {opt!r} in {text!r}; expected layer=N, request=N or rank=N")
+        if key == "rank" and (int(val) < 0 or name in _FIRST_CHUNK and _FIRST_CHUNK[name] == "scheduler"):
+            raise ValueError(f"bad fault option {opt!r} in {text!r}: " + (
+                "a rank is >= 0" if int(val) < 0 else f"{name} acts in the scheduler, which no rank owns"))
         kw[key] = int(val)
     return FaultSpec(name, **kw)
 

@@ -66,6 +66,8 @@ class RecordingOptions:
             eviction (``statediff.replay.churn``, ``docs/audit.md``).
         concurrency: copies of the conversation replayed side by side (``vllm.replay``: request
             i of every copy in one batch, each copy with its own ``cache_salt``); 1: one copy.
+        tensor_parallel_size: vLLM ``tensor_parallel_size``; above 1 each rank records its own
+            trace (``vllm.tp_v1``).
         sweep_boundaries, sweep_blocks: replay a boundary sweep instead of a conversation.
         drafter: with the transformers engine, a DFlash drafter directory or ``dflash``.
         activations: also record the residual stream (needs ``enforce_eager``).
@@ -104,6 +106,7 @@ class RecordingOptions:
     max_tokens: int = 16
     num_gpu_blocks_override: int | None = None
     concurrency: int = 1
+    tensor_parallel_size: int = 1
     sweep_boundaries: bool = False
     sweep_blocks: int = 2
     drafter: str | None = None
@@ -195,8 +198,12 @@ class RecordingResult:
         out = [self.replayed.summary, *self.hit_lines, *self.replayed.sweep_lines,
                f"  tensors: {s.get('tensors')}, raw {s.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {s.get('bytes_file', 0) / 1e6:.1f} MB"]
+        if s.get("ranks"):  # tensor parallel: one trace per rank (vllm/tp_v1.py)
+            out.append(f"  tensor parallel: {len(s['ranks'])} ranks, one trace each: " + ", ".join(
+                f"{os.path.basename(r['trace'])} (rank {r['rank']}: {r['tensors']} tensors)" for r in s["ranks"])
+                + f"; 'statediff compare' takes {os.path.basename(s['ranks'][0]['trace'])}")
         if self.kept:
-            out.append(_kept_line(self.kept))
+            out.append(_kept_line(self.kept) + (" in rank 0's trace" if s.get("ranks") else ""))
         if self.replay_check is not None:
             out.append(self.replay_check.to_text())
         return out
@@ -432,7 +439,68 @@ def engine_arguments(options: RecordingOptions, model_dir: str, max_model_len: i
     spec = parse_speculative_config(o.speculative_config, o.seed)
     if spec is not None:
         kw["speculative_config"] = spec
-    return kw
+    return kw | tensor_parallel_arguments(o, extra)
+
+
+def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:
+    """``tensor_parallel_size`` for ``vllm.LLM`` ({} for 1), checked before the engine starts; on a CPU
+    ``VLLM_CPU_OMP_THREADS_BIND`` set (when unset) to the usable cores split into N groups.
+
+    Raises:
+        StatediffError: also given as ``--engine-arg``, pipeline parallelism, an unverified vLLM
+            version, fewer usable cores than ranks, a fault ``rank=K`` outside ``0..N-1``.
+    """
+    from statediff_hooks.faults import parse_fault
+    from statediff_hooks.vllm.tp_v1 import check_supported
+
+    n = options.tensor_parallel_size
+    if "tensor_parallel_size" in extra and n > 1:
+        raise StatediffError("--tensor-parallel-size and --engine-arg tensor_parallel_size=...: give one")
+    n = int(extra.get("tensor_parallel_size") or n)
+    try:
+        fault = parse_fault(options.fault or "")
+    except ValueError:
+        fault = None  # refused with its own message where the fault is checked
+    if fault is not None and fault.rank is not None and fault.rank >= n:
+        raise StatediffError(f"--fault {options.fault}: rank {fault.rank} does not exist with tensor parallel "
+                             f"size {n} (ranks 0..{n - 1})")
+    pp = int(extra.get("pipeline_parallel_size") or 1)
+    why = None
+    if n > 1 or pp > 1:
+        from statediff_hooks.vllm.surface import installed_version  # imports vLLM: only when parallel
+
+        why = check_supported(installed_version().split("+")[0], n, pp)
+    if why:
+        raise StatediffError(why)
+    if n == 1:
+        return {}
+    _clear_rank_traces(options.output, n, options.overwrite)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        if len(cores) < n:
+            raise StatediffError(f"--tensor-parallel-size {n}: only {len(cores)} usable CPU cores; a CPU engine "
+                                 "binds each rank's threads to its own cores (VLLM_CPU_OMP_THREADS_BIND)")
+        per = len(cores) // n
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(n))
+    return {"tensor_parallel_size": n}
+
+
+def _clear_rank_traces(output: str, n: int, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, remove) rank traces ``STEM.rankR.h5`` an earlier recording left
+    at ``output``: a rank whose worker failed must not leave the old file to be read as this run's.
+
+    Raises:
+        StatediffError: such a file exists without ``overwrite``.
+    """
+    from statediff_hooks.vllm.tp_v1 import rank_trace_path
+
+    for r in range(1, n):
+        p = rank_trace_path(output, r)
+        if os.path.lexists(p):
+            if not overwrite:
+                raise StatediffError(f"{p} exists (rank {r}'s trace of -o {output}); --overwrite replaces it")
+            os.unlink(p)
 
 
 def parse_speculative_config(text: str | None, seed: int) -> dict | None:
@@ -512,6 +580,7 @@ _NOT_FOR_TRANSFORMERS = (
     ("--engine-arg", lambda o: o.engine_args),
     ("--num-gpu-blocks-override", lambda o: o.num_gpu_blocks_override is not None),
     ("--activations", lambda o: o.activations),
+    ("--tensor-parallel-size", lambda o: o.tensor_parallel_size > 1),
     # transformers keeps GDN state in float32 always
     ("--mamba-ssm-cache-dtype", lambda o: o.mamba_ssm_cache_dtype not in (None, "float32")),
 )

@@ -76,7 +76,12 @@ class InspectResult:
         if self.run.get("adapter") == "unverified":  # STATEDIFF_ALLOW_UNVERIFIED=1 at record time
             out.append(f"UNVERIFIED ADAPTER: {self.run.get('engine')} {self.run.get('engine_version')} was recorded "
                        f"with the adapter verified on {self.run.get('adapter_version')}")
-        out += [f"trace: {self.path}", f"format: {FORMAT_NAME} v{self.format_version}, {state}", "run:"]
+        out += [f"trace: {self.path}", f"format: {FORMAT_NAME} v{self.format_version}, {state}"]
+        tp = self.run.get("tensor_parallel")
+        if isinstance(tp, dict) and isinstance(tp.get("traces"), list) and tp["traces"]:
+            out.append(f"tensor parallel: rank {tp.get('rank')} of {tp.get('world_size')}: this rank's shards only "
+                       f"(the set: {', '.join(map(str, tp['traces']))}; 'statediff compare' takes {tp['traces'][0]})")
+        out.append("run:")
         out += [f"  {k:<22} {_value(k, v, self.run)}" for k, v in self.run.items()]
         if (retention := retention_line(self.run.get("effective"))) is not None:
             out.append(f"  {'prefix retention':<22} {retention}")

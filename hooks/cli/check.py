@@ -17,7 +17,8 @@ from statediff_hooks.cli.record import engine_side_needed, options_from_params, 
 
 #: ``record`` parameters ``check`` sets itself (per run) or does not take.
 NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "split_like", "focus",
-                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks")
+                   "focus_check", "overwrite", "engine", "drafter", "sweep_boundaries", "sweep_blocks",
+                   "tensor_parallel_size")  # check audits and compares one trace per run: not a rank set
 
 
 @click.command("check", short_help="Record a hit run, audit it, record a cold run, compare them.")

@@ -44,7 +44,8 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
               help="With --mode cold --exact-split: the hit trace whose chunk boundaries to reproduce.")
 @click.option("--model", default=_D.model, show_default=True,
               help="Model directory, or 'tiny' (built-in tiny hybrid), 'tiny-mtp' (the tiny hybrid with an MTP head "
-                   "whose drafts are accepted) or 'tiny-dense' (built-in tiny Qwen2).")
+                   "whose drafts are accepted), 'tiny-tp' (the tiny hybrid with 2 heads of every kind, for "
+                   "--tensor-parallel-size 2) or 'tiny-dense' (built-in tiny Qwen2).")
 @click.option("--speculative-config", "speculative_config", default=None, metavar="JSON",
               help='Speculative decoding, passed to vllm.LLM(speculative_config=...), e.g. '
                    '\'{"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3}\' '
@@ -109,6 +110,13 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
                    "of every copy in one batch (their prefills share the engine's steps), each copy hitting only "
                    "its own earlier requests. Trace request i*N+k is copy k's request i. The engine's own "
                    "chunking only; 'statediff audit' checks every restore of it (docs/audit.md).")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=click.IntRange(1),
+              default=_D.tensor_parallel_size, show_default=True, metavar="N",
+              help="vLLM tensor parallel size: each rank's worker records its own shards, rank 0 to -o and "
+                   "rank r to STEM.rankR.h5 beside it (docs/trace-format.md, 'Tensor parallel'); 'statediff "
+                   "compare' compares the set rank by rank. vLLM 0.32 only; a model with at least N heads of "
+                   "every kind (--model tiny-tp for 2). On a CPU, VLLM_CPU_OMP_THREADS_BIND defaults to the "
+                   "usable cores split into N groups.")
 @click.option("--sweep-boundaries", is_flag=True,
               help="Instead of a conversation, replay a boundary sweep (statediff/replay/sweep.py): prompts of "
                    "n*B-1, n*B, n*B+3, n*B+1 and n*B+K+1 tokens for the engine's actual block size B and K "
@@ -222,9 +230,11 @@ def _params_of(options: RecordingOptions) -> dict[str, Any]:
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp"]), default="hybrid", show_default=True,
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "tp"]), default="hybrid",
+              show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
-                   "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp).")
+                   "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); "
+                   "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2).")
 @click.option("--target", type=click.Path(file_okay=False, exists=True), default=None,
               help="Target model directory of an eagle3 drafter (default: the built-in dense model).")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -20,9 +20,10 @@ TINY = "tiny"
 TINY_DENSE = "tiny-dense"
 TINY_EAGLE3 = "tiny-eagle3"
 TINY_MTP = "tiny-mtp"  # the tiny hybrid with an MTP head whose drafts are accepted (tiny/mtp.py)
-KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp"}
+TINY_TP = "tiny-tp"  # the tiny hybrid with 2+ heads of every kind: --tensor-parallel-size 2
+KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp", TINY_TP: "tp"}
 _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
-         "mtp": "tiny-qwen3next-mtp"}
+         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp"}
 
 
 def home() -> Path:
@@ -34,7 +35,8 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
     """Where a built-in tiny model lives.
 
     ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
-    "mtp" (the hybrid with an MTP head whose drafts are accepted).
+    "mtp" (the hybrid with an MTP head whose drafts are accepted) or "tp" (the hybrid with 2 heads
+    of every kind, for ``--tensor-parallel-size 2``).
     """
     return home() / f"{_DIRS[kind]}-seed{seed}"
 
@@ -56,6 +58,10 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         return build_tiny_model(out, seed=seed, overwrite=overwrite)
     if kind == "dense":
         return build_tiny_dense_model(out, seed, overwrite=overwrite)
+    if kind == "tp":
+        from statediff_hooks.tiny.model import build_tiny_tp_model
+
+        return build_tiny_tp_model(out, seed=seed, overwrite=overwrite)
     if kind == "mtp":
         from statediff_hooks.tiny.mtp import build_tiny_mtp_model
 
@@ -66,7 +72,7 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
-    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` / ``tiny-mtp`` -> the built-in model's directory
+    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` / ``tiny-mtp`` / ``tiny-tp`` -> the built-in model's directory
     (built on first use); anything else unchanged."""
     kind = KINDS.get(model)
     return model if kind is None else str(build_tiny(kind, seed=seed))

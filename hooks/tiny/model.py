@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["GENERATOR_VERSION", "MARKER_NAME", "build_tiny_dense_model", "build_tiny_model",
-           "tiny_config", "tiny_dense_config"]
+           "build_tiny_tp_model", "tiny_config", "tiny_dense_config", "tiny_tp_config"]
 
 #: Bump when anything that changes the written files changes (a model directory
 #: written by an older version is rebuilt in place on next use).
@@ -556,6 +556,32 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, overwrite: bool = Fa
     to 32; no ``block_size`` gives the CPU default 128.
     """
     cfg = tiny_config()
+    return _build_target(out_dir, cfg, _param_specs(cfg), seed=seed, overwrite=overwrite)
+
+
+def tiny_tp_config() -> dict[str, Any]:
+    """``config.json`` of the tiny hybrid for tensor parallel size 2 (``--model tiny-tp``).
+
+    ``tiny_config`` with 2 GDN key heads and 4 GDN value heads (head dims 64), so that
+    vLLM 0.32 can shard every kind of head over 2 ranks: each rank holds 1 key head,
+    2 value heads and 2 of the 4 attention KV heads (4 of the 8 query heads), and 2 MoE
+    experts, both routed to every token. A hybrid with one key head fails to start under
+    ``tensor_parallel_size=2``. Per-rank GDN
+    state: conv ``(3, 256)`` (q 64 | k 64 | v 128 of the rank's heads), ssm ``(2, 64, 64)``.
+    """
+    cfg = tiny_config()
+    # 2 experts, both always routed (top-2 of 2): vLLM 0.32 refuses more ranks than experts
+    # (models/qwen3_next.py Qwen3NextSparseMoeBlock), and routing still cannot flip
+    cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, num_experts=2, num_experts_per_tok=2)
+    return cfg
+
+
+def build_tiny_tp_model(out_dir: str | Path, *, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write the tiny hybrid for tensor parallel size 2 (``tiny_tp_config``) and return its path.
+
+    Same tokenizer, seeding, caching and atomic-write rules as ``build_tiny_model``.
+    """
+    cfg = tiny_tp_config()
     return _build_target(out_dir, cfg, _param_specs(cfg), seed=seed, overwrite=overwrite)
 
 

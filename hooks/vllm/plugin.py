@@ -332,9 +332,11 @@ def _capture_for(runner: Any) -> Any:
     config = RecorderConfig.from_env()
     if config is None:
         return None
-    if getattr(runner.parallel_config, "world_size", 1) > 1:
-        raise UnsupportedEngine("statediff records single-GPU engines only (tensor/pipeline parallel size 1)")
+    config, tp = _rank_config(config, runner)
     rec = Recorder(config, run_metadata(runner, _adapter[0] if _adapter else None))
+    if tp is not None:
+        rec.set_run(tensor_parallel=tp)  # this rank, the world size, the shard layout (tp_v1.py)
+        _scheduler_budget_of_rank(rec, runner)
     rec.set_run(engine_patches=_engine_patches(runner))  # what runs in place of the engine's own code
     # After the writer's own exit handler, so that it runs first (atexit is LIFO)
     # and finishes the trace file instead of leaving a partial one.
@@ -344,6 +346,47 @@ def _capture_for(runner: Any) -> Any:
     _state["recorder"] = rec
     _state["capture"] = cap = V1Capture(rec, runner)
     return cap
+
+
+def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
+    """``config`` for this worker's rank (rank r > 0 writes ``tp_v1.rank_trace_path``) and its run
+    field ``tensor_parallel`` (None without tensor parallelism).
+
+    Raises:
+        UnsupportedEngine: pipeline parallelism, or tensor parallelism on a vLLM version whose
+            shard layout statediff has not verified (``tp_v1.check_supported``).
+    """
+    import dataclasses
+
+    import vllm
+
+    from statediff_hooks.vllm import tp_v1
+
+    pc = runner.parallel_config
+    why = tp_v1.check_supported(getattr(vllm, "__version__", "?"), int(getattr(pc, "tensor_parallel_size", 1) or 1),
+                                int(getattr(pc, "pipeline_parallel_size", 1) or 1))
+    if why:
+        raise UnsupportedEngine(why)
+    rank, size = tp_v1.rank_of(runner)
+    if size == 1:
+        return config, None
+    config = dataclasses.replace(config, trace=tp_v1.rank_trace_path(config.trace, rank))
+    return config, tp_v1.tensor_parallel_field(runner, config.trace)
+
+
+def _scheduler_budget_of_rank(rec: Any, runner: Any) -> None:
+    """Exact replay under tensor parallelism: the scheduler runs in the engine core, outside this
+    worker, and ``sched_v1.one_block_per_step`` lowered its budget there to one block (``cache_config
+    .block_size``); this worker's copy of the scheduler config still holds the old budget, so the run
+    fields ``max_num_batched_tokens`` and ``effective.max_num_scheduled_tokens`` are set to that block."""
+    from statediff_hooks.vllm.sched_v1 import exact_wanted
+
+    if not exact_wanted():
+        return
+    block = int(runner.cache_config.block_size)
+    eff = dict(rec.run_field("effective") or {})
+    eff["max_num_scheduled_tokens"] = block
+    rec.set_run(effective=eff, max_num_batched_tokens=block)
 
 
 def _note_uncaught_exceptions() -> None:

@@ -219,7 +219,11 @@ def replay(turns: list[Turn], kw: dict, *, prompts: list[list[int]] | None = Non
     llm = start_engine(plan.kw, console)
     out = send_requests(llm, plan, console)
     block, budget = surface.engine_block_size(llm), surface.step_budget(llm)
-    stats = finish_trace(plan)
+    tp = int(plan.kw.get("tensor_parallel_size") or 1)
+    if tp > 1 and plan.spec.trace is not None:  # the workers record: stop them, then read their traces
+        stats = finish_rank_traces(plan, llm, tp)
+    else:
+        stats = finish_trace(plan)
     del llm
     return ReplayResult(trace=plan.spec.trace, block_size=block, max_num_batched_tokens=budget,
                         num_cached_tokens=out.num_cached_tokens, output_token_ids=out.token_ids,
@@ -485,6 +489,27 @@ def finish_trace(plan: ReplayPlan) -> dict:
             f"or no such layer or request): {trace} holds a fault-free run")
     if stats.get("error"):
         raise StatediffError(f"recording failed: {stats['error']}")
+    return stats
+
+
+def finish_rank_traces(plan: ReplayPlan, llm: Any, size: int) -> dict:
+    """With tensor parallel size ``size``: stop the engine (each worker closes its rank's trace,
+    ``tp_v1``), check every rank's trace and whether the planted fault fired on some rank.
+
+    Raises:
+        StatediffError: a rank's trace is missing or unfinished, or the planted fault never fired.
+    """
+    from statediff_hooks.vllm import tp_v1
+
+    tp_v1.shutdown_engine(llm)
+    try:
+        stats = tp_v1.finish_rank_traces(plan.spec.trace, size)
+    except (RuntimeError, OSError, StatediffError) as e:
+        raise StatediffError(f"recording failed: {first_line(e)}") from None
+    if plan.spec.fault and not stats["fault"]:
+        raise StatediffError(
+            f"--fault {plan.spec.fault} never fired on any rank (no request resumed from a prefix-cache hit "
+            f"deep enough, or no such layer, request or rank): {plan.spec.trace} holds a fault-free run")
     return stats
 
 

@@ -79,6 +79,8 @@ class VersionFacts:
             exists (0.31+).
         v2_forced_by: engine options that force Model Runner V2 over ``VLLM_USE_V2_MODEL_RUNNER=0``
             (``config/vllm.py`` ``VllmConfig.use_v2_model_runner``; 0.30+: HiSparse and watermarking).
+        tensor_parallel: the per-rank shard layout (``tp_v1.py``) was verified on this version
+            with ``tensor_parallel_size`` 2 (engine tests): 0.32 only; elsewhere TP is refused.
     """
 
     version: str
@@ -87,6 +89,7 @@ class VersionFacts:
     retention_default: str
     triton_dispatcher: bool
     v2_forced_by: tuple[str, ...]
+    tensor_parallel: bool = False
 
     def facts(self) -> dict[str, Any]:
         """Run metadata ``version_facts``: what of this row a trace's reader may need."""
@@ -99,7 +102,7 @@ VERSIONS: tuple[VersionFacts, ...] = (
     VersionFacts("0.29.0", "use_eagle", "decode", "VLLM_PREFIX_CACHE_RETENTION_INTERVAL or 0", False, ()),
     VersionFacts("0.30.0", "use_eagle_block_drop", "decode", "0", False, _V2_FORCING),
     VersionFacts("0.31.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING),
-    VersionFacts("0.32.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING),
+    VersionFacts("0.32.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, tensor_parallel=True),
 )
 #: vLLM versions whose internals this module mirrors (``check_version``).
 VERIFIED_VERSIONS = tuple(v.version for v in VERSIONS)

@@ -236,7 +236,7 @@ class V1Capture:
         # summaries; requests that hit the same prefix in one step read the same blocks, digested once
         self.kv_seen: dict[tuple[int, int], tuple[Any, Any]] = {}
         # planted faults (faults.py); attention faults fire whether or not K/V are recorded
-        self.faults = FaultPlanter(recorder.config.fault, recorder.note_fault)
+        self.faults = FaultPlanter(_fault_of_rank(recorder.config.fault, runner), recorder.note_fault)
         self.attn_all = [li for li in self.layers if li.kind == "attn"]
         self.group_block_size = [_block_size(g.kv_cache_spec) if hasattr(g.kv_cache_spec, "block_size")
                                  else None for g in surface.kv_cache_groups(runner)]
@@ -606,6 +606,16 @@ def _sampling_summary(sp: Any) -> dict | None:
     keys = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
             "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
     return {k: getattr(sp, k, None) for k in keys}
+
+
+def _fault_of_rank(fault: Any, runner: Any) -> Any:
+    """The planted fault this worker plants: ``fault``, or None when it names another
+    tensor-parallel rank (``rank=K``; ``tp_v1.rank_of``)."""
+    if fault is None or fault.rank is None:
+        return fault
+    from statediff_hooks.vllm.tp_v1 import rank_of
+
+    return fault if rank_of(runner)[0] == fault.rank else None
 
 
 def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:

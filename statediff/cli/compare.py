@@ -10,6 +10,44 @@ from .shared import (OUT_FILE, PATH, compare_options, compare_pair, emit, json_o
                      refuse_existing, warn)
 
 
+def compare_set_or_pair(hit: Path, cold: Path, options, **kw):
+    """Two tensor-parallel sets rank by rank (``statediff.diff.ranks``: a ``RankedResult``), else the
+    pair (``compare_pair``)."""
+    from statediff.diff.ranks import compare_ranks
+    from statediff.trace import open_trace
+
+    ranked = compare_ranks(hit, cold, open_trace(hit).run, open_trace(cold).run,
+                           lambda h, c: compare_pair(h, c, options, **kw),
+                           lambda s, n, single, side: _merged_compare(s, n, single, side, options, **kw))
+    return ranked if ranked is not None else compare_pair(hit, cold, options, **kw)
+
+
+def _merged_compare(set0: Path, size: int, single: Path, side: str, options, **kw):
+    """A tensor-parallel set against a single trace: the set's unsharded tensors
+    (``ranks.merge_set``, in a temporary directory) against it, by tolerance
+    (``--allow-engine-mismatch`` required: the layouts and the reduction order differ)."""
+    import dataclasses
+    import tempfile
+
+    from statediff.diff.ranks import merge_set
+    from statediff.errors import StatediffError
+
+    if not options.allow_engine_mismatch:
+        raise StatediffError(f"{set0} is a {size}-rank tensor-parallel set and {single} one trace: give "
+                             "--allow-engine-mismatch to compare the set's unsharded tensors with it by tolerance "
+                             "(the layout and the reduction order differ, so bit identity cannot hold)")
+    with tempfile.TemporaryDirectory(prefix="statediff-merged-") as tmp:
+        merged = Path(tmp) / f"{set0.stem}.merged.h5"
+        field = merge_set(set0, merged)
+        hit, cold = (merged, single) if side == "hit" else (single, merged)
+        result = compare_pair(hit, cold, options, **kw)
+    note = (f"tensor parallel: the {side} side is {set0} ({size} ranks), unsharded (each kind's shards placed by "
+            f"run field tensor_parallel.shards; the conv state's q, k and v parts each where they belong): "
+            f"{field['merged']} tensors merged, {field['left_out']} left out (digest only on a rank, whose digests "
+            "cannot be combined); judged by tolerance against one rank's layout")
+    return dataclasses.replace(result, warnings=[note, *result.warnings])
+
+
 @click.command("compare", short_help="Name the first divergent tensor of HIT vs COLD.")
 @click.argument("hit", type=PATH)
 @click.argument("cold", type=PATH, required=False)  # omitted: HIT is a bundle .zip (statediff extract)
@@ -43,6 +81,10 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     commands that record it (--json: "focus" and "focus_commands").
     Exit 0 no divergence, 1 divergence, 2 error.
 
+    Tensor-parallel recordings (record --tensor-parallel-size N): give each
+    set's rank-0 trace; rank r is compared with rank r, shard by shard, and
+    the root names its rank.
+
     'statediff compare BUNDLE.zip' compares the two traces of a bundle
     written by 'statediff extract', with the options it was extracted with.
     """
@@ -57,7 +99,7 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
         require_matplotlib()
     kw = dict(max_listed=max_listed, progress=progress_wanted(as_json), stop_at_first=first)
     if cold is not None:
-        result = compare_pair(hit, cold, options, **kw)
+        result = compare_set_or_pair(hit, cold, options, **kw)
     elif looks_like_bundle(hit):
         result = compare_bundle(hit, options, **kw)
     else:
@@ -66,7 +108,7 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     emit(result, as_json)
     if plot is not None:
         try:
-            where = write_plot(result, plot)
+            where = write_plot(getattr(result, "root", result), plot)  # a set: its root rank's heatmap
         except StatediffError as e:  # the verdict above stands, and so does its exit code
             warn(f"no plot written: {e}")
         else:  # on stderr: stdout holds the report (one JSON object with --json)

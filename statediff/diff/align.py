@@ -195,7 +195,14 @@ def both_exact(a: Trace, b: Trace) -> bool:
     bit-identical; two versions are judged by tolerance): both exact, or a split-form cold run
     against the hit trace it was shaped like (``split_form_pair``)."""
     same_chunks = (a.run.get("replay") == "exact" and b.run.get("replay") == "exact") or split_form_pair(a.run, b.run)
-    return same_chunks and not versions_differ(a.run, b.run)
+    return same_chunks and not versions_differ(a.run, b.run) and _tp_size(a.run) == _tp_size(b.run)
+
+
+def _tp_size(run: Mapping[str, Any]) -> Any:
+    """The tensor parallel size a trace's tensors were computed with (a set's unsharded tensors,
+    run field ``tensor_parallel_merged``, keep theirs: other reduction orders than one rank's)."""
+    merged = run.get("tensor_parallel_merged")
+    return merged.get("world_size") if isinstance(merged, dict) else 1
 
 
 def split_form_pair(hit_run: Mapping[str, Any], cold_run: Mapping[str, Any]) -> bool:

@@ -1,0 +1,96 @@
+"""A tensor-parallel set's unsharded tensors (statediff.diff.ranks.merge_set) and the compare of a
+set against a single trace (issue 20), on synthetic traces split into 2 ranks the way vLLM 0.32
+shards them: the conv state's q, k and v parts each on its own, SSM state and K/V by heads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+
+from statediff.cli import cli
+from statediff.diff.ranks import merge_set
+from statediff.trace import TraceWriter, open_trace
+from synth import write_trace
+
+# synth: conv (3, 256) = q 64 | k 64 | v 128; ssm (2, 64, 64): 2 value heads; K/V (16, 2, 64): 2 heads on axis 1
+KD, VD = 64, 128
+
+
+def _layout(rank: int) -> dict:
+    parts, local, base = [], 0, 0
+    for name, dim in (("q", KD), ("k", KD), ("v", VD)):
+        per = dim // 2
+        parts.append({"name": name, "local": [local, local + per], "global": [base + rank * per, base + (rank + 1) * per]})
+        local, base = local + per, base + dim
+    heads = {"slice": [rank, rank + 1], "of": 2}
+    return {"gdn.conv_state": {"axis": 1, "parts": parts}, "gdn.ssm_state": {"axis": 0, **heads},
+            "attn.k": {"axis": 1, **heads}, "attn.v": {"axis": 1, **heads}}
+
+
+def _shard(kind: str, arr: np.ndarray, rank: int) -> np.ndarray:
+    lay = _layout(rank)[kind]
+    if kind == "gdn.conv_state":
+        return np.concatenate([arr[:, slice(*p["global"])] for p in lay["parts"]], axis=1)
+    idx = [slice(None)] * arr.ndim
+    idx[lay["axis"]] = slice(*lay["slice"])
+    return arr[tuple(idx)].copy()
+
+
+def _split(full: Path, out: Path) -> list[Path]:
+    """``full`` as a 2-rank set: rank 0 at ``out``, rank 1 beside it."""
+    paths = [out, out.with_name(f"{out.stem}.rank1.h5")]
+    with open_trace(full) as t:
+        for rank, p in enumerate(paths):
+            run = dict(t.run) | {"tensor_parallel": {"rank": rank, "world_size": 2, "traces": [q.name for q in paths],
+                                                     "shards": _layout(rank)}}
+            w = TraceWriter(p, run, threads=0)
+            for i in sorted(t.requests):
+                rec = dict(t.requests[i])
+                prompt, outs = rec.pop("prompt_token_ids", None) or [], rec.pop("output_token_ids", None) or []
+                rid = rec.pop("request_id", None)
+                rec.pop("index", None)
+                w.begin_request(i, rid, prompt, output_token_ids=outs, **rec)
+            for e in t.entries:
+                w.add(_shard(e.kind, t.read(e), rank), request=e.request, position=e.position, layer=e.layer,
+                      kind=e.kind, role=e.role, module=e.module, dtype=e.dtype, token_start=e.token_start,
+                      step=e.step, block=e.block)
+            w.end_step()
+            w.close()
+    return paths
+
+
+def test_the_merged_set_holds_the_unsharded_tensors_bit_for_bit(tmp_path):
+    full = write_trace(tmp_path / "full.h5", "hit", replay="exact")
+    set0, rank1 = _split(full, tmp_path / "tp.h5")
+    field = merge_set(set0, tmp_path / "merged.h5")
+    with open_trace(full) as a, open_trace(tmp_path / "merged.h5") as b, open_trace(set0) as s0, \
+            open_trace(rank1) as s1:
+        assert field == {"world_size": 2, "traces": ["tp.h5", "tp.rank1.h5"], "merged": len(a.entries), "left_out": 0}
+        assert b.run["tensor_parallel_merged"] == field and b.run.get("tensor_parallel") is None
+        got = {(e.request, e.position, e.layer, e.kind): b.read(e) for e in b.entries}
+        for e in a.entries:
+            assert np.array_equal(got[e.request, e.position, e.layer, e.kind], a.read(e)), e.label()
+        # the mistake of vLLM #53078: the ranks' conv states concatenated are not the state
+        conv = next(e for e in a.entries if e.kind == "gdn.conv_state")
+        pick = lambda t: next(x for x in t.entries if (x.request, x.position, x.layer, x.kind) ==  # noqa: E731
+                              (conv.request, conv.position, conv.layer, conv.kind))
+        naive = np.concatenate([s0.read(pick(s0)), s1.read(pick(s1))], axis=1)
+        assert naive.shape == a.read(conv).shape and not np.array_equal(naive, a.read(conv))
+
+
+def test_a_set_against_a_single_trace_needs_allow_engine_mismatch_then_is_judged_by_tolerance(tmp_path):
+    set0, _ = _split(write_trace(tmp_path / "full.h5", "hit", replay="exact"), tmp_path / "tp.h5")
+    cold = write_trace(tmp_path / "cold.h5", "cold", replay="exact")
+    r = CliRunner().invoke(cli, ["compare", str(set0), str(cold)])
+    assert r.exit_code == 2
+    assert r.stderr.splitlines() == [f"statediff: error: {set0} is a 2-rank tensor-parallel set and {cold} one trace: "
+                                     "give --allow-engine-mismatch to compare the set's unsharded tensors with it by "
+                                     "tolerance (the layout and the reduction order differ, so bit identity cannot hold)"]
+    r = CliRunner().invoke(cli, ["compare", str(set0), str(cold), "--allow-engine-mismatch", "--json"])
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0, r.output
+    assert out["verdict"] == "same" and not out["tolerance_policy"].startswith("exact")
+    assert out["warnings"][0].startswith(f"tensor parallel: the hit side is {set0} (2 ranks), unsharded")
