@@ -22,7 +22,7 @@ TINY_EAGLE3 = "tiny-eagle3"
 TINY_MTP = "tiny-mtp"  # the tiny hybrid with an MTP head whose drafts are accepted (tiny/mtp.py)
 KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp"}
 _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
-         "mtp": "tiny-qwen3next-mtp"}
+         "mtp": "tiny-qwen3next-mtp", "dflash": "tiny-dflash-for-qwen3next-mtp"}
 
 
 def home() -> Path:
@@ -34,7 +34,8 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
     """Where a built-in tiny model lives.
 
     ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
-    "mtp" (the hybrid with an MTP head whose drafts are accepted).
+    "mtp" (the hybrid with an MTP head whose drafts are accepted) or "dflash" (vLLM's DFlash
+    drafter for "mtp", built to be accepted: ``tiny/dflash.py``).
     """
     return home() / f"{_DIRS[kind]}-seed{seed}"
 
@@ -42,7 +43,7 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
 def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, target: str | None = None,
                overwrite: bool = False) -> Path:
     """Build (or reuse) a built-in tiny model of ``kind``; the eagle3 drafter's target
-    defaults to the built-in dense model.
+    defaults to the built-in dense model, the dflash drafter's to the built-in MTP hybrid.
 
     Raises:
         FileExistsError: ``out`` is non-empty and holds something else.
@@ -60,6 +61,10 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         from statediff_hooks.tiny.mtp import build_tiny_mtp_model
 
         return build_tiny_mtp_model(out, seed=seed, overwrite=overwrite)
+    if kind == "dflash":
+        from statediff_hooks.tiny.dflash import build_tiny_vllm_dflash
+
+        return build_tiny_vllm_dflash(out, target or build_tiny("mtp", seed=seed), seed, overwrite=overwrite)
     from statediff_hooks.tiny.draft import build_tiny_eagle3
 
     return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)
