@@ -230,19 +230,21 @@ def _params_of(options: RecordingOptions) -> dict[str, Any]:
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "tp"]), default="hybrid",
-              show_default=True,
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "tp"]),
+              default="hybrid", show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
-                   "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); "
+                   "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); dflash: a vLLM "
+                   "DFlash drafter for --target (default the mtp hybrid) whose drafts that target accepts; "
                    "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2).")
 @click.option("--target", type=click.Path(file_okay=False, exists=True), default=None,
-              help="Target model directory of an eagle3 drafter (default: the built-in dense model).")
+              help="Target model directory of an eagle3 drafter (default: the built-in dense model) or of a "
+                   "dflash drafter (default: the built-in mtp hybrid).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--overwrite", is_flag=True)
 def build_tiny_model_cmd(output, kind, target, seed, overwrite):
     """Write a built-in tiny model (random weights, offline tokenizer)."""
-    if target and kind != "eagle3":
-        raise StatediffError("--target is only for --kind eagle3")
+    if target and kind not in ("eagle3", "dflash"):
+        raise StatediffError("--target is only for --kind eagle3 and --kind dflash")
     try:
         out = build_tiny(kind, output, seed, target=target, overwrite=overwrite)
     except (FileExistsError, FileNotFoundError, ValueError) as e:

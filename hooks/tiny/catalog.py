@@ -23,7 +23,7 @@ TINY_MTP = "tiny-mtp"  # the tiny hybrid with an MTP head whose drafts are accep
 TINY_TP = "tiny-tp"  # the tiny hybrid with 2+ heads of every kind: --tensor-parallel-size 2
 KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp", TINY_TP: "tp"}
 _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
-         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp"}
+         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp", "dflash": "tiny-dflash-for-qwen3next-mtp"}
 
 
 def home() -> Path:
@@ -35,7 +35,8 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
     """Where a built-in tiny model lives.
 
     ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
-    "mtp" (the hybrid with an MTP head whose drafts are accepted) or "tp" (the hybrid with 2 heads
+    "mtp" (the hybrid with an MTP head whose drafts are accepted), "dflash" (vLLM's DFlash
+    drafter for "mtp", built to be accepted: ``tiny/dflash.py``) or "tp" (the hybrid with 2 heads
     of every kind, for ``--tensor-parallel-size 2``).
     """
     return home() / f"{_DIRS[kind]}-seed{seed}"
@@ -44,7 +45,7 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
 def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, target: str | None = None,
                overwrite: bool = False) -> Path:
     """Build (or reuse) a built-in tiny model of ``kind``; the eagle3 drafter's target
-    defaults to the built-in dense model.
+    defaults to the built-in dense model, the dflash drafter's to the built-in MTP hybrid.
 
     Raises:
         FileExistsError: ``out`` is non-empty and holds something else.
@@ -66,6 +67,10 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         from statediff_hooks.tiny.mtp import build_tiny_mtp_model
 
         return build_tiny_mtp_model(out, seed=seed, overwrite=overwrite)
+    if kind == "dflash":
+        from statediff_hooks.tiny.dflash import build_tiny_vllm_dflash
+
+        return build_tiny_vllm_dflash(out, target or build_tiny("mtp", seed=seed), seed, overwrite=overwrite)
     from statediff_hooks.tiny.draft import build_tiny_eagle3
 
     return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)
