@@ -355,8 +355,9 @@ def _capture_for(runner: Any) -> Any:
 
 
 def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
-    """``config`` for this worker's rank (rank r > 0 writes ``tp_v1.rank_trace_path``) and its run
-    field ``tensor_parallel`` (None without tensor parallelism).
+    """``config`` for this worker's rank (rank r > 0 writes ``tp_v1.rank_trace_path``; a live audit's
+    rank r > 0 appends its incidents to ``STEM.rankR.jsonl``) and its run field ``tensor_parallel``
+    (None without tensor parallelism).
 
     Raises:
         UnsupportedEngine: pipeline parallelism, or tensor parallelism on a vLLM version whose
@@ -376,6 +377,10 @@ def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
     rank, size = tp_v1.rank_of(runner)
     if size == 1:
         return config, None
+    if config.live is not None:  # each rank audits its own shards: rank r > 0 appends to STEM.rankR.jsonl
+        live = dataclasses.replace(config.live, incidents=tp_v1.rank_trace_path(config.live.incidents, rank, ".jsonl"))
+        field = tp_v1.tensor_parallel_field(runner, live.incidents, ".jsonl")
+        return dataclasses.replace(config, live=live), field
     config = dataclasses.replace(config, trace=tp_v1.rank_trace_path(config.trace, rank))
     return config, tp_v1.tensor_parallel_field(runner, config.trace)
 

@@ -46,10 +46,12 @@ def _verified() -> tuple[str, ...]:
 VERIFIED_VERSIONS = _verified()
 
 
-def rank_trace_path(trace: str | Path, rank: int) -> str:
-    """The trace rank ``rank`` writes: the path itself for rank 0, ``STEM.rankR.h5`` beside it otherwise."""
+def rank_trace_path(trace: str | Path, rank: int, default_suffix: str = ".h5") -> str:
+    """The file rank ``rank`` writes: the path itself for rank 0, ``STEM.rankR.SUFFIX`` beside it
+    otherwise (``default_suffix`` when the path has none: ``.h5`` for a trace, ``.jsonl`` for a
+    live audit's incident file)."""
     p = Path(trace)
-    return str(p) if rank == 0 else str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.h5'}"))
+    return str(p) if rank == 0 else str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or default_suffix}"))
 
 
 def check_supported(engine_version: str, tp: int, pp: int = 1) -> str | None:
@@ -138,7 +140,7 @@ def unshard_conv(shards: list[Any], parts: list[list[dict[str, Any]]], axis: int
     return out
 
 
-def tensor_parallel_field(runner: Any, trace: str) -> dict[str, Any] | None:
+def tensor_parallel_field(runner: Any, trace: str, default_suffix: str = ".h5") -> dict[str, Any] | None:
     """Run field ``tensor_parallel`` of this rank (None without tensor parallelism): ``rank``,
     ``world_size``, ``traces`` (every rank's trace file name, rank order, beside this one) and
     ``shards`` (``shard_layout``)."""
@@ -150,7 +152,7 @@ def tensor_parallel_field(runner: Any, trace: str) -> dict[str, Any] | None:
         p = Path(trace)
         base = p.with_name(p.name.replace(f".rank{rank}", "", 1))
     return {"rank": rank, "world_size": size,
-            "traces": [Path(rank_trace_path(base, r)).name for r in range(size)],
+            "traces": [Path(rank_trace_path(base, r, default_suffix)).name for r in range(size)],
             "shards": shard_layout(runner, rank, size)}
 
 

@@ -20,6 +20,10 @@ from statediff_hooks.vllm.tp_v1 import check_supported, conv_parts, rank_trace_p
 def test_rank_0_writes_the_path_and_rank_r_a_sibling():
     assert rank_trace_path("/d/hit.h5", 0) == "/d/hit.h5"
     assert rank_trace_path("/d/hit.h5", 1) == "/d/hit.rank1.h5"
+    assert rank_trace_path("/d/hit", 2) == "/d/hit.rank2.h5"
+    # a live audit's incident file under TP: each rank appends to its own
+    assert rank_trace_path("/d/incidents.jsonl", 1, ".jsonl") == "/d/incidents.rank1.jsonl"
+    assert rank_trace_path("/d/incidents", 1, ".jsonl") == "/d/incidents.rank1.jsonl"
 
 
 def test_conv_parts_of_tiny_tp_rank_1():
