@@ -16,7 +16,7 @@ The shard layout of each captured kind mirrors vLLM 0.32:
   and ``forward`` splits its conv output at ``[kd/N, kd/N, vd/N]``. The state's dim axis
   (``mamba_utils.MambaStateShapeCalculator.gated_delta_net_state_shape``: ``conv_dim / N``)
   is laid out the same way, so concatenating two ranks' conv states is *not* the unsharded
-  state (vLLM #53078); ``unshard_conv`` is the right inverse.
+  state (vLLM #53078); ``statediff.diff.ranks.unshard`` is the right inverse.
 - ``gdn.ssm_state``: ``(num_v_heads / N, head_v_dim, head_k_dim)``, rank r holds value heads
   ``[r*nv/N, (r+1)*nv/N)`` (axis 0).
 - ``attn.k`` / ``attn.v``: ``[num_kv_heads / N, block_size, head_size]``
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VERIFIED_VERSIONS", "check_supported", "rank_of", "rank_trace_path", "shard_layout",
-           "tensor_parallel_field", "unshard_conv"]
+           "tensor_parallel_field"]
 
 def _verified() -> tuple[str, ...]:
     from statediff_hooks.vllm.surface import VERSIONS
@@ -120,24 +120,6 @@ def conv_parts(key_dim: int, value_dim: int, rank: int, size: int) -> list[dict[
         local += per
         base += dim
     return parts
-
-
-def unshard_conv(shards: list[Any], parts: list[list[dict[str, Any]]], axis: int) -> Any:
-    """The unsharded conv state from every rank's shard (numpy arrays, rank order) and each rank's
-    ``parts`` (``conv_parts``): each sub-projection's slices placed where ``global`` says."""
-    import numpy as np
-
-    total = max(p["global"][1] for ps in parts for p in ps)
-    shape = list(shards[0].shape)
-    shape[axis] = total
-    out = np.zeros(shape, dtype=shards[0].dtype)
-    for shard, ps in zip(shards, parts):
-        for p in ps:
-            src = [slice(None)] * len(shape)
-            dst = [slice(None)] * len(shape)
-            src[axis], dst[axis] = slice(*p["local"]), slice(*p["global"])
-            out[tuple(dst)] = shard[tuple(src)]
-    return out
 
 
 def tensor_parallel_field(runner: Any, trace: str, default_suffix: str = ".h5") -> dict[str, Any] | None:

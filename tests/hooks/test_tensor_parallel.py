@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from statediff.diff.ranks import RankedResult, _root_rank, compare_ranks, rank_set
+from statediff.diff.ranks import RankedResult, _root_rank, compare_ranks, rank_set, unshard
 from statediff.errors import StatediffError
 from statediff_hooks.faults import parse_fault
 from statediff_hooks.recording import RecordingOptions, tensor_parallel_arguments
-from statediff_hooks.vllm.tp_v1 import check_supported, conv_parts, rank_trace_path, unshard_conv
+from statediff_hooks.vllm.tp_v1 import check_supported, conv_parts, rank_trace_path
 
 
 def test_rank_0_writes_the_path_and_rank_r_a_sibling():
@@ -39,7 +39,8 @@ def test_unshard_conv_inverts_the_per_rank_layout_and_naive_concatenation_does_n
     parts = [conv_parts(128, 256, r, 2) for r in range(2)]
     shards = [np.concatenate([full[:, slice(*p["global"])] for p in ps], axis=1) for ps in parts]
     assert [s.shape for s in shards] == [(3, 256), (3, 256)]
-    assert np.array_equal(unshard_conv(shards, parts, axis=1), full)
+    layouts = [{"gdn.conv_state": {"axis": 1, "parts": ps}} for ps in parts]  # run field tensor_parallel.shards
+    assert np.array_equal(unshard("gdn.conv_state", shards, layouts), full)
     naive = np.concatenate(shards, axis=1)  # the mistake of vLLM #53078
     assert naive.shape == full.shape and not np.array_equal(naive, full)
     assert np.array_equal(naive[:, 64:128], full[:, 128:192])  # rank 0's k sits where rank 1's q belongs
