@@ -189,6 +189,34 @@ def run_records(jobs: list[list[str]], timeout: int = 1500) -> tuple[list[int], 
     return (codes[0] if r.returncode == 0 and codes else []), r.stderr
 
 
+def record_spec_trio(root: Path, model: Path, spec: str, body: list[int], max_tokens: int,
+                     block: int) -> dict[str, Path]:
+    """Record, in exact replay at ``block`` tokens, a conversation whose prompts extend each other
+    (``body`` prompt lengths plus 3 closing tokens each) on ``model`` with the ``--speculative-config``
+    JSON ``spec``: a hit run, a cold run and a hit run with ``--fault drafter-kv-zero``, all in one
+    subprocess. Returns the paths {"hit", "cold", "fault"}."""
+    tokens = [3 + (37 * i + i * i) % 900 for i in range(max(body))]
+    conv = root / "conv.jsonl"
+    conv.write_text("".join(json.dumps({"prompt_token_ids": tokens[:n] + [1, 950, 951], "max_tokens": max_tokens})
+                            + "\n" for n in body))
+    out, jobs = {}, []
+    for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
+                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
+        out[name] = root / f"{name}.h5"
+        jobs.append(["record", str(conv), "--model", str(model), "--speculative-config", spec,
+                     "--block-size", str(block), *PIN, "--enforce-eager", "--exact", "--mode", mode,
+                     "-o", str(out[name]), "--no-progress", *extra])
+    codes, stderr = run_records(jobs)
+    assert codes == [0] * len(jobs), stderr[-3000:]
+    return out
+
+
+def compare_json(a: Path, b: Path) -> tuple[int, dict | None, str]:
+    """``statediff compare A B --json`` with every pair listed: (exit code, the report, stderr)."""
+    r = run_cli("compare", str(a), str(b), "--json", "--max-listed", "100000")
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     require_engine()

@@ -19,7 +19,7 @@ import pytest
 
 from statediff.trace import open_trace
 
-from conftest import PIN, require_engine, run_cli, run_records
+from conftest import compare_json, record_spec_trio, require_engine, run_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -40,26 +40,8 @@ def runs(tmp_path_factory):
     for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "dflash", "--target", str(target), "-o", str(dflash))):
         r = run_cli("build-tiny-model", *args)
         assert r.returncode == 0, r.stderr[-2000:]
-    body = [3 + (37 * i + i * i) % 900 for i in range(max(BODY))]
-    conv = root / "conv.jsonl"
-    conv.write_text("".join(json.dumps({"prompt_token_ids": body[:n] + [1, 950, 951], "max_tokens": MAX_TOKENS})
-                            + "\n" for n in BODY))
     spec = json.dumps({"method": "dflash", "model": str(dflash), "num_speculative_tokens": K})
-    out, jobs = {"dflash": dflash}, []
-    for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
-                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
-        out[name] = root / f"{name}.h5"
-        jobs.append(["record", str(conv), "--model", str(target), "--speculative-config", spec,
-                     "--block-size", str(BLOCK), *PIN, "--enforce-eager", "--exact", "--mode", mode,
-                     "-o", str(out[name]), "--no-progress", *extra])
-    codes, stderr = run_records(jobs)
-    assert codes == [0] * len(jobs), stderr[-3000:]
-    return out
-
-
-def _compare(a, b):
-    r = run_cli("compare", str(a), str(b), "--json", "--max-listed", "100000")
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+    return {"dflash": dflash} | record_spec_trio(root, target, spec, BODY, MAX_TOKENS, BLOCK)
 
 
 def test_hybrid_dflash_with_prefix_caching_pair_is_same(runs):
@@ -86,7 +68,7 @@ def test_hybrid_dflash_with_prefix_caching_pair_is_same(runs):
         # the drafter's inputs (the tapped target rows the runner hands it) are captured
         rows = [e for e in hit.entries if e.kind == "drafter.input"]
         assert rows and {e.layer for e in rows} == {2, 3}
-    code, rep, err = _compare(runs["hit"], runs["cold"])
+    code, rep, err = compare_json(runs["hit"], runs["cold"])
     assert code == 0, err
     assert (rep["pairs"], rep["divergent"], rep["first"]) == (336, 0, None)
     assert all(row["outputs_equal"] for row in rep["requests"])
@@ -119,7 +101,7 @@ def test_dflash_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
     assert {k: fired[k] for k in ("request", "position", "layer", "module", "kind", "blocks")} == {
         "request": 1, "position": BLOCK, "layer": DRAFTER_LAYER, "module": MODULE, "kind": "attn.k",
         "blocks": [0, HITS[1] // BLOCK - 1]}
-    code, rep, err = _compare(runs["fault"], runs["cold"])
+    code, rep, err = compare_json(runs["fault"], runs["cold"])
     assert code == 1, err
     first = rep["first"]
     assert (first["request"], first["position"], first["layer"], first["kind"], first["module"]) == \

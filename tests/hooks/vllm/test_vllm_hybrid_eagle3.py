@@ -18,7 +18,7 @@ import pytest
 
 from statediff.trace import open_trace
 
-from conftest import PIN, require_engine, run_cli, run_records
+from conftest import compare_json, record_spec_trio, require_engine, run_cli
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -37,26 +37,8 @@ def runs(tmp_path_factory):
     for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "eagle3", "--target", str(target), "-o", str(eagle))):
         r = run_cli("build-tiny-model", *args)
         assert r.returncode == 0, r.stderr[-2000:]
-    body = [3 + (37 * i + i * i) % 900 for i in range(max(BODY))]
-    conv = root / "conv.jsonl"
-    conv.write_text("".join(json.dumps({"prompt_token_ids": body[:n] + [1, 950, 951], "max_tokens": MAX_TOKENS})
-                            + "\n" for n in BODY))
     spec = json.dumps({"method": "eagle3", "model": str(eagle), "num_speculative_tokens": K})
-    out, jobs = {"eagle": eagle}, []
-    for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
-                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
-        out[name] = root / f"{name}.h5"
-        jobs.append(["record", str(conv), "--model", str(target), "--speculative-config", spec,
-                     "--block-size", str(BLOCK), *PIN, "--enforce-eager", "--exact", "--mode", mode,
-                     "-o", str(out[name]), "--no-progress", *extra])
-    codes, stderr = run_records(jobs)
-    assert codes == [0] * len(jobs), stderr[-3000:]
-    return out
-
-
-def _compare(a, b):
-    r = run_cli("compare", str(a), str(b), "--json", "--max-listed", "100000")
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+    return {"eagle": eagle} | record_spec_trio(root, target, spec, BODY, MAX_TOKENS, BLOCK)
 
 
 def test_hybrid_eagle3_with_prefix_caching_pair_is_same(runs):
@@ -79,7 +61,7 @@ def test_hybrid_eagle3_with_prefix_caching_pair_is_same(runs):
     assert (accepted, drafted, sum(a["num_drafts"] for a in acc)) == (33, 60, 20) and 3 * accepted >= drafted
     # multi-token acceptance after a hit: request 2 (hit 192) accepts all 3 drafts in 3 steps
     assert [a["accepted_per_position"] for a in acc] == [[4, 4, 4], [4, 3, 3], [5, 3, 3]]
-    code, rep, err = _compare(runs["hit"], runs["cold"])
+    code, rep, err = compare_json(runs["hit"], runs["cold"])
     assert code == 0, err
     assert (rep["pairs"], rep["divergent"], rep["first"]) == (496, 0, None)
     assert all(row["outputs_equal"] for row in rep["requests"])
@@ -89,7 +71,7 @@ def test_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
     with open_trace(runs["fault"]) as t:
         fired = t.run["fault"]
     print("fault", fired)
-    code, rep, err = _compare(runs["fault"], runs["cold"])
+    code, rep, err = compare_json(runs["fault"], runs["cold"])
     assert code == 1, err
     first = rep["first"]
     print("first", {k: first[k] for k in ("request", "position", "layer", "kind", "module")})

@@ -16,7 +16,7 @@ import pytest
 
 from statediff.trace import open_trace
 
-from conftest import PIN, require_engine, run_cli, run_records
+from conftest import compare_json, record_spec_trio, require_engine, run_cli
 
 pytestmark = pytest.mark.engine
 
@@ -38,26 +38,8 @@ def runs(tmp_path_factory):
     model = root / "tiny-mtp"
     r = run_cli("build-tiny-model", "--kind", "mtp", "-o", str(model))
     assert r.returncode == 0, r.stderr[-2000:]
-    body = [3 + (37 * i + i * i) % 900 for i in range(max(BODY))]
-    conv = root / "conv.jsonl"
-    conv.write_text("".join(json.dumps({"prompt_token_ids": body[:n] + [1, 950, 951], "max_tokens": MAX_TOKENS})
-                            + "\n" for n in BODY))
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": K})
-    out, jobs = {"model": model}, []
-    for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
-                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
-        out[name] = root / f"{name}.h5"
-        jobs.append(["record", str(conv), "--model", str(model), "--speculative-config", spec,
-                     "--block-size", str(BLOCK), *PIN, "--enforce-eager", "--exact", "--mode", mode,
-                     "-o", str(out[name]), "--no-progress", *extra])
-    codes, stderr = run_records(jobs)
-    assert codes == [0] * len(jobs), stderr[-3000:]
-    return out
-
-
-def _compare(a, b):
-    r = run_cli("compare", str(a), str(b), "--json", "--max-listed", "100000")
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+    return {"model": model} | record_spec_trio(root, model, spec, BODY, MAX_TOKENS, BLOCK)
 
 
 def _acceptance(path) -> tuple[int, int]:
@@ -87,7 +69,7 @@ def test_hybrid_mtp_with_prefix_caching_runs_patched_and_its_fault_free_pair_is_
             # conv states hold the kernel width - 1 = 3 token rows, not the 3 draft-token scratch rows
             conv = [e for e in t.entries if e.kind == "gdn.conv_state"]
             assert conv and {tuple(e.shape) for e in conv} == {(3, 256)}
-    code, rep, err = _compare(runs["hit"], runs["cold"])
+    code, rep, err = compare_json(runs["hit"], runs["cold"])
     assert code == 0, err
     assert rep["divergent"] == 0 and rep["first"] is None
     assert all(row["outputs_equal"] for row in rep["requests"])
@@ -108,7 +90,7 @@ def test_drafter_kv_zero_is_named_as_the_drafters_kv(runs):
     assert {k: fired[k] for k in ("request", "position", "layer", "module", "kind", "blocks")} == {
         "request": 1, "position": BLOCK, "layer": MTP_LAYER, "module": "mtp.layers.0.self_attn.attn",
         "kind": "attn.k", "blocks": [0, HITS[1] // BLOCK - 1]}
-    code, rep, err = _compare(runs["fault"], runs["cold"])
+    code, rep, err = compare_json(runs["fault"], runs["cold"])
     assert code == 1, err
     first = rep["first"]
     assert (first["request"], first["position"], first["layer"], first["kind"], first["module"]) == \
