@@ -117,15 +117,22 @@ class CheckResult:
 
     def lines(self) -> list[str]:
         """What each recording said first (``recorded 5 requests ...``), the audit of the hit run
-        (``audit_lines``), compare's text report, then where each file went."""
+        (``audit_lines``), compare's text report (then ``AUDIT_OVER_SAME`` when the audit found a
+        violation and compare none), then where each file went."""
         d = self.options.output_dir
         recorded = [line for line in self.record_lines if line.startswith("recorded ")]
         if self.compare is None:
             return [*recorded, *audit_lines(self.audit), "",
                     SKIP_COLD.format(n=self.options.base.concurrency), "",
                     f"wrote {d}/: hit.h5 (engine log: hit.h5.log), audit.json"]
-        return [*recorded, *audit_lines(self.audit), self.compare.to_text(), "",
+        verdict = [AUDIT_OVER_SAME] if self.audit.exit_code == 1 and self.compare.first is None else []
+        return [*recorded, *audit_lines(self.audit), self.compare.to_text(), *verdict, "",
                 f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"]
+
+
+#: After compare's SAME, when the audit found a violation: the check's answer is the audit's.
+AUDIT_OVER_SAME = ("check: RESTORE VIOLATION (exit 1): the audit above names it; compare's SAME says only that "
+                   "the hit and cold runs agree within tolerance")
 
 
 def audit_lines(audit: Any, limit: int = AUDIT_FINDINGS_SHOWN) -> list[str]:

@@ -150,6 +150,8 @@ def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees
         "      equals the saved value rounded to bfloat16",
         "      expected: written by request 1 at step 5 into block 4",
         "SAME: no divergence beyond tolerance in 38 pairs"]
+    assert lines[-3] == ("check: RESTORE VIOLATION (exit 1): the audit above names it; compare's SAME says only "
+                        "that the hit and cold runs agree within tolerance")
     assert lines[-1] == f"wrote {out}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"
     audit = json.loads((out / "audit.json").read_text())
     assert (audit["verdict"], audit["exit_code"]) == ("violation", 1)
@@ -173,6 +175,7 @@ def test_a_clean_audit_does_not_end_the_check(tmp_path, synthetic_runs):
     assert "\n".join(result.lines()).splitlines()[2:4] == [
         "audit of the hit run: CLEAN: 14 restored tensor(s) of 2 hit(s) read exactly what the run saved",
         "SAME: no divergence beyond tolerance in 38 pairs"]
+    assert not any(line.startswith("check: RESTORE VIOLATION") for line in result.lines())
     assert json.loads((out / "audit.json").read_text())["verdict"] == "clean"
 
 
