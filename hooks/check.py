@@ -156,6 +156,8 @@ def check_output_dir(output_dir: str, overwrite: bool) -> None:
     Raises:
         StatediffError: one line naming the directory.
     """
+    if not output_dir:  # Path("") is the working directory: never meant as the check's directory
+        raise StatediffError("-o is empty: name the directory check writes into")
     p = Path(output_dir)
     if p.exists() and not p.is_dir():
         raise StatediffError(f"-o {output_dir}: exists and is not a directory")

@@ -43,9 +43,11 @@ def refuse_existing(path: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) 
     what was meant).
 
     Raises:
-        StatediffError: ``path`` exists and ``overwrite`` is off, ``path`` is an input, or it is
+        StatediffError: ``path`` is empty, exists and ``overwrite`` is off, is an input, or is
             not a regular file.
     """
+    if str(path) in ("", "."):  # Path("") is "."; an empty -o would read as "'.' is a directory"
+        raise StatediffError("the output path is empty: give a file name")
     for src in inputs:
         if path.exists() and same_file(path, src):
             raise StatediffError(f"{path} is one of the inputs: write the output elsewhere")

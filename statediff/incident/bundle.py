@@ -224,6 +224,8 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     """
     if not (math.isfinite(max_mb) and max_mb > 0):
         raise StatediffError(f"--max-mb must be a finite number of MB above 0, not {max_mb:g}")
+    if str(out) in ("", "."):
+        raise StatediffError("the output path is empty: give a .zip file name, e.g. incident.zip")
     out = Path(out)
     if out.suffix.lower() != ".zip":
         raise StatediffError(f"bundle {out}: the output must be a .zip file")

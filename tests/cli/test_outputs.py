@@ -53,6 +53,13 @@ def test_a_symlink_output_is_refused_and_left_alone(traces, tmp_path, command):
     assert out.is_symlink() and target.read_text() == "kept"
 
 
+@pytest.mark.parametrize("command", ["calibrate", "report", "extract"])
+def test_an_empty_output_path_is_named_as_empty(traces, command):
+    r = run(command, *_inputs(traces, command), "-o", "")
+    want = ("give a .zip file name, e.g. incident.zip" if command == "extract" else "give a file name")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: the output path is empty: {want}"])
+
+
 def test_recover_refuses_a_device_output(tmp_path):
     r = run("recover", tmp_path, "-o", "/dev/null", "--overwrite")
     assert (r.exit_code, r.stderr.splitlines()) == (2, [

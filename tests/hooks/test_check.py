@@ -87,6 +87,13 @@ def test_bad_options_are_refused_before_any_engine_and_leave_no_directory(tmp_pa
     assert no_record == [] and not out.exists()
 
 
+def test_an_empty_output_directory_is_refused_even_with_overwrite(no_record):
+    r = check("-o", "", "--overwrite")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, ["statediff: error: -o is empty: name the directory check "
+                                                        "writes into"])
+    assert no_record == []
+
+
 def test_a_directory_that_holds_files_needs_overwrite(tmp_path, no_record):
     (tmp_path / "hit.h5").write_text("earlier")
     r = check("-o", str(tmp_path))
