@@ -109,13 +109,27 @@ class Bundle:
 
 
 def looks_like_bundle(path: str | os.PathLike) -> bool:
-    """True when ``path`` is meant as a bundle: named ``*.zip``, or a zip file whatever its name.
+    """True when ``path`` is meant as a bundle: a zip file whatever its name, or named ``*.zip``
+    unless it is an HDF5 file (a trace named ``x.zip`` is read as the trace it is).
 
     ``compare`` with one argument opens such a path with ``open_bundle``, whose
     refusal then says what is wrong with the zip (missing, damaged, not a bundle).
     """
     p = Path(path)
-    return p.suffix.lower() == ".zip" or (p.is_file() and zipfile.is_zipfile(p))
+    if p.is_file():
+        try:
+            with open(p, "rb") as f:
+                if f.read(8) == HDF5_SIGNATURE:  # statediff writes traces without a user block
+                    return False
+        except OSError:
+            pass  # unreadable: the opener that follows says why
+        if zipfile.is_zipfile(p):
+            return True
+    return p.suffix.lower() == ".zip"
+
+
+#: The first 8 bytes of an HDF5 file without a user block (HDF5 file format spec, superblock).
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def sha256_file(path: Path) -> str:

@@ -154,6 +154,17 @@ def test_a_bad_bundle_argument_says_what_is_wrong(traces, tmp_path):
     assert r.exit_code == 2 and "Missing argument 'COLD' (give HIT COLD traces, or one bundle" in r.stderr
 
 
+def test_a_trace_named_zip_is_read_as_the_trace_it_is(traces, tmp_path):
+    renamed = tmp_path / "hit-from-an-issue.zip"
+    renamed.write_bytes(Path(traces["fault"]).read_bytes())
+    r = run("inspect", renamed)
+    assert r.exit_code == 0 and r.stdout.splitlines()[:2] == [f"trace: {renamed}", "format: statediff.trace v1, complete"]
+    assert run("verify", renamed).stdout.startswith(f"INTACT: {renamed}: ")
+    assert run("compare", renamed, traces["cold"]).exit_code == run("compare", traces["fault"], traces["cold"]).exit_code
+    r = run("compare", renamed)  # one argument: a trace, so COLD is missing (not "not a readable zip")
+    assert r.exit_code == 2 and "Missing argument 'COLD'" in r.stderr
+
+
 # -- compare --plot --------------------------------------------------------------------
 
 def test_plot_says_where_it_wrote_the_picture(traces, tmp_path):
