@@ -583,6 +583,7 @@ class V1Capture:
         fields: dict[str, Any] = {"output_token_ids": self.outputs.pop(rid)}
         self.hit_len.pop(rid, None)
         self.prompt_len.pop(rid, None)
+        self.tokens.pop(rid, None)  # a live engine runs for days: nothing per request outlives it
         k = self.logprobs_k.pop(rid, None)
         steps = self.logprobs.pop(rid, None)
         if steps is not None and k is not None:
