@@ -69,9 +69,10 @@ reused only by a run with the same interpreter and arguments)::
 
 Target format as an axis: ``format = "bf16" | "fp8" | "nvfp4"`` picks the
 built-in tiny hybrid's checkpoint in that format (``model = "tiny"``, the
-default: ``tiny``, ``tiny-fp8``, ``tiny-nvfp4``; compressed-tensors, built on
-first use by ``tiny/formats.py``). A model with no build in that format (any
-other model, e.g. ``tiny-mtp``) makes that row an ERROR naming it. The
+default: ``tiny``, ``tiny-fp8``, ``tiny-nvfp4``; ``tiny-mtp``: ``tiny-mtp-fp8``,
+``tiny-mtp-nvfp4``; compressed-tensors, built on first use by
+``tiny/formats.py``). A model with no build in that format (any other
+model) makes that row an ERROR naming it. The
 table gains a ``format`` column (the hit trace's ``target_format``) when a
 variant or an axis sets ``format``.
 
@@ -131,7 +132,8 @@ SETTINGS: dict[str, tuple[type, ...]] = {
 }
 #: ``format`` values and, per built-in tiny model that has them, the model of each format.
 FORMATS = ("bf16", "fp8", "nvfp4")
-FORMAT_MODELS = {"tiny": {"bf16": "tiny", "fp8": "tiny-fp8", "nvfp4": "tiny-nvfp4"}}
+FORMAT_MODELS = {"tiny": {"bf16": "tiny", "fp8": "tiny-fp8", "nvfp4": "tiny-nvfp4"},
+                 "tiny-mtp": {"bf16": "tiny-mtp", "fp8": "tiny-mtp-fp8", "nvfp4": "tiny-mtp-nvfp4"}}
 VARIANT_KEYS = ("name", "expect", "expect_root", "description")
 REPLAYS = ("exact", "exact-split", "default")
 EXPECTS = ("pass", "fail", "error")

@@ -1,6 +1,7 @@
 """The tiny hybrid as a compressed-tensors FP8 or NVFP4 target (``build-tiny-model --kind
-hybrid-fp8|hybrid-nvfp4``, ``--model tiny-fp8|tiny-nvfp4``), quantised offline without
-llmcompressor.
+hybrid-fp8|hybrid-nvfp4``, ``--model tiny-fp8|tiny-nvfp4``; the MTP hybrid likewise: ``--kind
+mtp-fp8|mtp-nvfp4``, ``--model tiny-mtp-fp8|tiny-mtp-nvfp4``, its MTP head bf16), quantised
+offline without llmcompressor.
 
 The reported failure runs a compressed-tensors NVFP4 target (W4A4) of a hybrid model, and an
 FP8 target of it passes. These builders write the same checkpoint layout for the tiny hybrid of
@@ -65,9 +66,9 @@ NVFP4_INPUT_GLOBAL_SCALE = 6.0
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def quantization_config(fmt: str) -> dict[str, Any]:
+def quantization_config(fmt: str, ignore: list[str] | None = None) -> dict[str, Any]:
     """The ``quantization_config`` of ``config.json`` for ``fmt`` ("fp8" or "nvfp4"): one
-    config group ``group_0`` (the preset scheme on ``Linear``), format, ``ignore`` = ``IGNORE``,
+    config group ``group_0`` (the preset scheme on ``Linear``), format, ``ignore`` (default ``IGNORE``),
     status ``compressed``.
 
     Raises:
@@ -77,17 +78,17 @@ def quantization_config(fmt: str) -> dict[str, Any]:
 
     scheme = preset_name_to_scheme(FORMATS[fmt], ["Linear"])
     qfmt = "float-quantized" if fmt == "fp8" else "nvfp4-pack-quantized"
-    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format=qfmt, ignore=list(IGNORE),
+    cfg = QuantizationConfig(config_groups={"group_0": scheme}, format=qfmt, ignore=list(ignore or IGNORE),
                              quantization_status=QuantizationStatus.COMPRESSED)
     return json.loads(cfg.model_dump_json())
 
 
-def _quantised(name: str) -> bool:
-    """True for a Linear weight (``...proj.weight``) the ``IGNORE`` list does not cover."""
+def _quantised(name: str, ignore: list[str]) -> bool:
+    """True for a Linear weight (``...proj.weight``) the ``ignore`` list does not cover."""
     if not name.endswith("_proj.weight") and not name.endswith(".shared_expert_gate.weight"):
         return False
     module = name[: -len(".weight")]
-    for pat in IGNORE:
+    for pat in ignore:
         if pat.startswith("re:"):
             if re.match(pat[3:], module):
                 return False
@@ -96,7 +97,7 @@ def _quantised(name: str) -> bool:
     return True
 
 
-def _compress(weights: dict[str, Any], fmt: str) -> dict[str, Any]:
+def _compress(weights: dict[str, Any], fmt: str, ignore: list[str]) -> dict[str, Any]:
     """Quantise and compress the ``_quantised`` weights of a bf16 state dict for ``fmt``."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
@@ -107,7 +108,7 @@ def _compress(weights: dict[str, Any], fmt: str) -> dict[str, Any]:
     qargs = scheme.weights
     compressor = BaseCompressor.get_value_from_registry(
         "float-quantized" if fmt == "fp8" else "nvfp4-pack-quantized")
-    targets = [n for n in weights if _quantised(n)]
+    targets = [n for n in weights if _quantised(n, ignore)]
     gscale: dict[str, Any] = {}
     if fmt == "nvfp4":  # one global scale per fused group: the smallest (largest amax) wins
         for n in targets:
@@ -138,12 +139,15 @@ def _compress(weights: dict[str, Any], fmt: str) -> dict[str, Any]:
     return out
 
 
-def build_tiny_quantized_model(out_dir: str | Path, fmt: str, *, seed: int = 0, overwrite: bool = False) -> Path:
+def build_tiny_quantized_model(out_dir: str | Path, fmt: str, *, seed: int = 0, overwrite: bool = False,
+                               mtp: bool = False) -> Path:
     """Write the tiny hybrid (``tiny.model.tiny_config``, seed ``seed``) as a compressed-tensors
     ``fmt`` checkpoint ("fp8" or "nvfp4") and return its directory.
 
+    ``mtp``: the tiny MTP hybrid instead (``tiny.mtp``, ``--model tiny-mtp``), its MTP head
+    left bf16 too (``ignore`` gains ``re:.*mtp.*``): the target is quantised, the drafter is not.
     Same tokenizer, caching and atomic-write rules as ``tiny.model.build_tiny_model``; the
-    bf16 weights it quantises are those ``--model tiny`` draws for the seed.
+    bf16 weights it quantises are those the bf16 model draws for the seed.
 
     Raises:
         KeyError: ``fmt`` is not "fp8" or "nvfp4".
@@ -153,8 +157,19 @@ def build_tiny_quantized_model(out_dir: str | Path, fmt: str, *, seed: int = 0, 
 
     if FORMATS.get(fmt) is None:
         raise KeyError(f"no quantised tiny format {fmt!r}; choose fp8 or nvfp4")
-    cfg = tiny_config()
-    specs = _param_specs(cfg)
-    cfg["quantization_config"] = quantization_config(fmt)
+    if mtp:
+        from statediff_hooks.tiny.mtp import mtp_weights, tiny_mtp_config
+
+        cfg, ignore = tiny_mtp_config(), IGNORE + ["re:.*mtp.*"]
+
+        def draw() -> dict[str, Any]:
+            return mtp_weights(tiny_mtp_config(), seed)
+    else:
+        cfg, ignore = tiny_config(), list(IGNORE)
+        specs = _param_specs(cfg)
+
+        def draw() -> dict[str, Any]:
+            return _make_weights(specs, seed)
+    cfg["quantization_config"] = quantization_config(fmt, ignore)
     return _build_target(out_dir, cfg, None, seed=seed, overwrite=overwrite,
-                         weights=lambda: _compress(_make_weights(specs, seed), fmt))
+                         weights=lambda: _compress(draw(), fmt, ignore))

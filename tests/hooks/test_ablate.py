@@ -336,7 +336,7 @@ from synth import write_trace
 
 argv = sys.argv[1:]
 out, mode, model = argv[argv.index("-o") + 1], argv[argv.index("--mode") + 1], argv[argv.index("--model") + 1]
-fmt = {{"tiny-fp8": "fp8", "tiny-nvfp4": "nvfp4"}}.get(model, "bf16")
+fmt = "fp8" if model.endswith("-fp8") else "nvfp4" if model.endswith("-nvfp4") else "bf16"
 with open(out + ".argv", "w") as f:
     f.write(" ".join(argv))
 write_trace(out, mode, replay="exact", engine="vllm", engine_version="0.32.0", target_format=fmt)
@@ -382,9 +382,9 @@ def test_format_column_and_a_format_the_model_lacks_is_an_error_row(tmp_path):
     assert [(r.variant.name, r.status, r.format) for r in res.rows[:3]] == [
         ("base / none / hit / bf16", "PASS", "bf16"), ("base / none / hit / FP8", "PASS", "fp8"),
         ("base / none / hit / NVFP4", "PASS", "nvfp4")]
-    assert [r.status for r in res.rows[6:]] == ["ERROR"] * 6  # no FP8/NVFP4 (nor bf16 alias) of tiny-mtp
-    assert res.rows[7].error == ("format = 'fp8': no fp8 build of model 'tiny-mtp' (built-in formats: "
-                                 "tiny (bf16, fp8, nvfp4))")
+    assert [(r.status, r.format) for r in res.rows[6:9]] == [("PASS", "bf16"), ("PASS", "fp8"), ("PASS", "nvfp4")]
+    assert (tmp_path / "work" / "09-base---mtp---hit---nvfp4-hit.h5.argv").read_text().split()[:3] == [
+        "record", "--model", "tiny-mtp-nvfp4"]
     assert (tmp_path / "work" / "01-base---none---hit---bf16-hit.h5.argv").read_text().split()[:3] == [
         "record", "--model", "tiny"]
     lines = res.to_text().splitlines()
@@ -395,6 +395,14 @@ def test_format_column_and_a_format_the_model_lacks_is_an_error_row(tmp_path):
     assert md[2].startswith("| # | variant | changes | engine | format | hit tokens per request | result |")
     assert md[5].startswith("| 2 | base / none / hit / FP8 | format=fp8 | vllm 0.32.0 | fp8 | ")
     assert res.to_json()["rows"][2]["format"] == "nvfp4"
+    # a model without builds in that format: an ERROR row naming it, the matrix goes on
+    m = load_matrix(write(tmp_path, '[base]\nmodel = "tiny-dense"\npython = "venv"\n'
+                                    '[[variant]]\nname = "dense fp8"\nformat = "fp8"\n'
+                                    '[[variant]]\nname = "dense"\n'))
+    res = run_matrix(m, work_dir=tmp_path / "work2")
+    assert [(r.status, r.format) for r in res.rows] == [("ERROR", None), ("PASS", "bf16")]
+    assert res.rows[0].error == ("format = 'fp8': no fp8 build of model 'tiny-dense' (built-in formats: "
+                                 "tiny (bf16, fp8, nvfp4), tiny-mtp (bf16, fp8, nvfp4))")
 
 
 @pytest.mark.parametrize("axis,message", [
