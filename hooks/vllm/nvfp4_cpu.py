@@ -92,7 +92,8 @@ def installed(runner: Any = None) -> list[dict[str, Any]]:
 def linear_kernels(runner: Any) -> dict[str, str]:
     """``{compressed-tensors scheme class: kernel class}`` over the runner's quantised linear
     layers (vLLM 0.32: ``layer.scheme`` set by ``CompressedTensorsLinearMethod``, its
-    ``kernel``), e.g. ``{"CompressedTensorsW4A4Fp4": "EmulationNvFp4LinearKernel"}``; ``{}``
+    ``kernel``, or ``fp8_linear`` for ``CompressedTensorsW8A8Fp8``), e.g.
+    ``{"CompressedTensorsW4A4Fp4": "EmulationNvFp4LinearKernel"}``; ``{}``
     for an unquantised model or one not loaded."""
     model = getattr(runner, "model", None)
     if model is None or not hasattr(model, "modules"):
@@ -101,7 +102,7 @@ def linear_kernels(runner: Any) -> dict[str, str]:
     for m in model.modules():
         scheme = getattr(m, "scheme", None)
         if scheme is not None:
-            kernel = getattr(scheme, "kernel", None)
+            kernel = getattr(scheme, "kernel", None) or getattr(scheme, "fp8_linear", None)  # FP8: fp8_linear
             out[type(scheme).__name__] = type(kernel).__name__ if kernel is not None else "none"
     return dict(sorted(out.items()))
 
