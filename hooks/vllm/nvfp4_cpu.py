@@ -139,6 +139,8 @@ def check_checkpoint(model_dir: str | Path) -> str | None:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(cfg, dict):  # check_model names a config that is not an object
+        return None
     q = cfg.get("quantization_config")
     if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
         return None
