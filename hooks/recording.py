@@ -279,6 +279,12 @@ def read_inputs(options: RecordingOptions, keep: Any) -> Inputs:
     o = options
     turns = load_conversation(o.conversation) if o.conversation else _split_like_turns(o)
     model_dir = resolve_model(o.model, o.seed)
+    if o.engine == "vllm":  # a compressed-tensors format this CPU cannot run: one line, no engine start
+        from statediff_hooks.vllm.nvfp4_cpu import check_checkpoint
+
+        refusal = check_checkpoint(model_dir)
+        if refusal:
+            raise StatediffError(refusal)
     if turns is None and o.sweep_boundaries:
         turns = demo_conversation(o.max_tokens)
     elif turns is None:  # token ids of plain text when the model has no chat template

@@ -230,12 +230,16 @@ def _params_of(options: RecordingOptions) -> dict[str, Any]:
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "tp"]),
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "tp", "hybrid-fp8",
+                                             "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"]),
               default="hybrid", show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
                    "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); dflash: a vLLM "
                    "DFlash drafter for --target (default the mtp hybrid) whose drafts that target accepts; "
-                   "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2).")
+                   "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2); "
+                   "hybrid-fp8 / hybrid-nvfp4: the hybrid as a compressed-tensors FP8_DYNAMIC / NVFP4 target, "
+                   "GDN layers and routed experts bf16 (--model tiny-fp8 / tiny-nvfp4); mtp-fp8 / mtp-nvfp4: the mtp "
+                   "hybrid so, its MTP head bf16 (--model tiny-mtp-fp8 / tiny-mtp-nvfp4).")
 @click.option("--target", type=click.Path(file_okay=False, exists=True), default=None,
               help="Target model directory of an eagle3 drafter (default: the built-in dense model) or of a "
                    "dflash drafter (default: the built-in mtp hybrid).")

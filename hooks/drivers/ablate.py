@@ -67,6 +67,37 @@ reused only by a run with the same interpreter and arguments)::
     name = "vLLM 0.30"
     python = "/work/venvs/vllm-0.30"
 
+Target format as an axis: ``format = "bf16" | "fp8" | "nvfp4"`` picks the
+built-in tiny hybrid's checkpoint in that format (``model = "tiny"``, the
+default: ``tiny``, ``tiny-fp8``, ``tiny-nvfp4``; ``tiny-mtp``: ``tiny-mtp-fp8``,
+``tiny-mtp-nvfp4``; compressed-tensors, built on first use by
+``tiny/formats.py``). A model with no build in that format (any other
+model) makes that row an ERROR naming it. The
+table gains a ``format`` column (the hit trace's ``target_format``) when a
+variant or an axis sets ``format``.
+
+Axes: ``[[axis]]`` tables multiply the rows. Each axis has a ``name`` and
+``values``, a list of tables of settings, each with a ``label``; every
+variant runs once per combination of one value from each axis (the axes in
+file order, the first varying slowest). A row is named ``variant / label /
+label``; its settings are the variant's, then each value's in order
+(``expect`` and ``expect_root`` stay the variant's). Without ``[[variant]]``
+tables the base is the one variant (named ``base``). The report's matrix::
+
+    [[axis]]
+    name = "drafter"
+    values = [{ label = "none" },
+              { label = "MTP", model = "tiny-mtp", speculative_config = { method = "mtp", num_speculative_tokens = 3 } }]
+
+    [[axis]]
+    name = "prefix hit"
+    values = [{ label = "hit" }, { label = "forced miss", forced_miss = true }]
+
+    [[axis]]
+    name = "format"
+    values = [{ label = "bf16", format = "bf16" }, { label = "FP8", format = "fp8" },
+              { label = "NVFP4", format = "nvfp4" }]
+
 Exit code: 0 when every row matched its expectation, 1 otherwise, 2 for a
 bad matrix file (nothing is run).
 """
@@ -97,8 +128,12 @@ SETTINGS: dict[str, tuple[type, ...]] = {
     "max_tokens": (int,), "enforce_eager": (bool,), "seed": (int,), "dtype": (str,),
     "max_model_len": (int,), "max_num_batched_tokens": (int,), "kv": (str,), "engine_args": (dict,),
     "speculative_config": (dict, bool), "fault": (str,), "forced_miss": (bool,), "sweep_blocks": (int,),
-    "record_args": (list,), "tol": (list,), "noise": (str,), "python": (str,),
+    "record_args": (list,), "tol": (list,), "noise": (str,), "python": (str,), "format": (str,),
 }
+#: ``format`` values and, per built-in tiny model that has them, the model of each format.
+FORMATS = ("bf16", "fp8", "nvfp4")
+FORMAT_MODELS = {"tiny": {"bf16": "tiny", "fp8": "tiny-fp8", "nvfp4": "tiny-nvfp4"},
+                 "tiny-mtp": {"bf16": "tiny-mtp", "fp8": "tiny-mtp-fp8", "nvfp4": "tiny-mtp-nvfp4"}}
 VARIANT_KEYS = ("name", "expect", "expect_root", "description")
 REPLAYS = ("exact", "exact-split", "default")
 EXPECTS = ("pass", "fail", "error")
@@ -155,6 +190,8 @@ def _check_settings(path: Path, where: str, d: dict, *, variant: bool) -> None:
             raise _bad(path, f"{where}: {key} must be an array of strings")
     if d.get("kv") is not None and d["kv"] not in ("all", "none"):
         raise _bad(path, f"{where}: kv = {d['kv']!r}, expected 'all' or 'none'")
+    if d.get("format") is not None and d["format"] not in FORMATS:
+        raise _bad(path, f"{where}: format = {d['format']!r}, expected one of {', '.join(FORMATS)}")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -198,9 +235,9 @@ def load_matrix(path: str | os.PathLike) -> Matrix:
         raise _bad(p, "not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise _bad(p, f"invalid TOML ({e})") from None
-    unknown = set(doc) - {"title", "base", "variant"}
+    unknown = set(doc) - {"title", "base", "variant", "axis"}
     if unknown:
-        raise _bad(p, f"unknown top-level key {sorted(unknown)[0]!r} (known: base, title, variant)")
+        raise _bad(p, f"unknown top-level key {sorted(unknown)[0]!r} (known: axis, base, title, variant)")
     title = doc.get("title", p.stem)
     base = doc.get("base", {})
     if not isinstance(title, str):
@@ -208,7 +245,8 @@ def load_matrix(path: str | os.PathLike) -> Matrix:
     if not isinstance(base, dict):
         raise _bad(p, "[base] must be a table")
     _check_settings(p, "[base]", base, variant=False)
-    raw = doc.get("variant")
+    axes = _axes(p, doc.get("axis"))
+    raw = doc.get("variant", [{"name": "base"}] if axes else None)
     if not isinstance(raw, list) or not raw or not all(isinstance(v, dict) for v in raw):
         raise _bad(p, "no [[variant]] tables (each variant is a [[variant]] table with a name)")
     variants, names = [], set()
@@ -233,11 +271,55 @@ def load_matrix(path: str | os.PathLike) -> Matrix:
                               "and kind (a string)")
             if expect != "fail":
                 raise _bad(p, f"{where}: expect_root needs expect = \"fail\"")
-        settings = _merge(base, v)
-        if settings.get("python") is not None:
-            settings["python"] = _interpreter(p, where, settings["python"])
-        variants.append(Variant(name, settings, expect, root, _changes(v)))
+        for labels, overs in _combinations(axes):
+            settings = _merge(base, v)
+            for over in overs:
+                settings = _merge(settings, over)
+            if settings.get("python") is not None:
+                settings["python"] = _interpreter(p, where, settings["python"])
+            changes = ", ".join(c for c in [_changes(v)] + [_changes(o) for o in overs] if c != "base") or "base"
+            variants.append(Variant(" / ".join([name, *labels]), settings, expect, root, changes))
     return Matrix(p, title, base, variants)
+
+
+def _axes(path: Path, raw: object) -> list[tuple[str, list[dict]]]:
+    """The ``[[axis]]`` tables as (name, values); each value a settings table with a ``label``.
+
+    Raises:
+        MatrixError: not a list of tables, an axis without a name or values, a value without a
+            unique label, a value setting an unknown or mistyped key.
+    """
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(a, dict) for a in raw):
+        raise _bad(path, "axis must be [[axis]] tables")
+    out = []
+    for n, a in enumerate(raw, 1):
+        where = f"axis {n}" + (f" ({a['name']!r})" if isinstance(a.get("name"), str) else "")
+        if set(a) - {"name", "values"}:
+            raise _bad(path, f"{where}: unknown key {sorted(set(a) - {'name', 'values'})[0]!r} (known: name, values)")
+        if not isinstance(a.get("name"), str) or not a["name"].strip():
+            raise _bad(path, f"{where}: needs a name")
+        values = a.get("values")
+        if not isinstance(values, list) or not values or not all(isinstance(x, dict) for x in values):
+            raise _bad(path, f"{where}: values must be a non-empty array of tables, each with a label")
+        labels = [x.get("label") for x in values]
+        if not all(isinstance(lb, str) and lb.strip() for lb in labels) or len(set(labels)) != len(labels):
+            raise _bad(path, f"{where}: every value needs a label, each used once")
+        for x in values:
+            _check_settings(path, f"{where}, value {x['label']!r}", {k: y for k, y in x.items() if k != "label"},
+                            variant=False)
+        out.append((a["name"], [{k: y for k, y in x.items() if k != "label"} | {"_label": x["label"]}
+                                for x in values]))
+    return out
+
+
+def _combinations(axes: list[tuple[str, list[dict]]]) -> list[tuple[list[str], list[dict]]]:
+    """Every combination of one value per axis, the first axis varying slowest: (labels, settings)."""
+    import itertools
+
+    combos = itertools.product(*[values for _, values in axes])
+    return [([x["_label"] for x in c], [{k: y for k, y in x.items() if k != "_label"} for x in c]) for c in combos]
 
 
 def _interpreter(path: Path, where: str, value: str) -> str:
@@ -260,6 +342,27 @@ def _local(path: str, root: Path) -> str:
     return str(p if p.is_absolute() else root / p)
 
 
+class NoSuchFormat(StatediffError):
+    """A ``format`` the variant's model has no build of (the row is an ERROR)."""
+
+
+def format_model(settings: dict) -> str:
+    """The model a variant records: ``model`` (default ``tiny``), or with ``format`` the built-in
+    tiny model's checkpoint in that format (``FORMAT_MODELS``).
+
+    Raises:
+        NoSuchFormat: ``format`` names a format the model has no build of.
+    """
+    model, fmt = settings.get("model", "tiny"), settings.get("format")
+    if fmt is None:
+        return model
+    built = FORMAT_MODELS.get(model, {})
+    if fmt not in built:
+        have = ", ".join(f"{m} ({', '.join(f)})" for m, f in FORMAT_MODELS.items())
+        raise NoSuchFormat(f"format = {fmt!r}: no {fmt} build of model {model!r} (built-in formats: {have})")
+    return built[fmt]
+
+
 def variant_argv(settings: dict, mode: str, out: Path, root: Path, *, hit_trace: Path | None = None) -> list[str]:
     """``statediff record`` words for one run of a variant.
 
@@ -279,7 +382,7 @@ def variant_argv(settings: dict, mode: str, out: Path, root: Path, *, hit_trace:
             words += ["--sweep-blocks", str(s["sweep_blocks"])]
     elif conv not in ("builtin", "builtin:demo"):
         words.append(_local(conv, root))
-    model = s.get("model", "tiny")
+    model = format_model(s)
     if (root / model).exists() and not Path(model).is_absolute():
         model = str(root / model)
     words += ["--model", model]
@@ -334,6 +437,7 @@ class Row:
     traces: tuple[str, str] | None = None
     seconds: float = 0.0
     engine: str | None = None
+    format: str | None = None  # the hit trace's target_format
 
     @property
     def detail(self) -> str:
@@ -354,7 +458,8 @@ class Row:
                 "status": self.status, "matched": self.matched, "root": self.root,
                 "root_key": list(self.root_key) if self.root_key else None, "diagnosis": self.diagnosis,
                 "error": self.error, "hits": self.hits, "traces": list(self.traces) if self.traces else None,
-                "seconds": round(self.seconds, 1), "engine": self.engine}
+                "seconds": round(self.seconds, 1), "engine": self.engine,
+                "format": self.format}
 
 
 @dataclasses.dataclass
@@ -370,13 +475,22 @@ class AblationResult:
     def exit_code(self) -> int:
         return 0 if all(r.matched for r in self.rows) else 1
 
+    def _formats(self) -> bool:
+        """The table has a format column: some row's variant sets ``format``."""
+        return any(r.variant.settings.get("format") is not None for r in self.rows)
+
     def _cells(self) -> list[list[str]]:
-        return [[str(r.index), r.variant.name, r.variant.changes, r.engine or "-",
-                 "-" if r.hits is None else json.dumps(r.hits), r.status, r.variant.expect.upper(),
-                 "ok" if r.matched else "UNEXPECTED", r.detail] for r in self.rows]
+        fmt = self._formats()
+        return [[str(r.index), r.variant.name, r.variant.changes, r.engine or "-"]
+                + ([r.format or r.variant.settings.get("format") or "-"] if fmt else [])
+                + ["-" if r.hits is None else json.dumps(r.hits), r.status, r.variant.expect.upper(),
+                   "ok" if r.matched else "UNEXPECTED", r.detail] for r in self.rows]
 
     HEAD = ["#", "variant", "changes", "engine", "hit tokens per request", "result", "expected", "",
             "root divergence"]
+
+    def _head(self) -> list[str]:
+        return self.HEAD[:4] + ["format"] + self.HEAD[4:] if self._formats() else list(self.HEAD)
 
     def summary(self) -> str:
         bad = [r for r in self.rows if not r.matched]
@@ -387,8 +501,9 @@ class AblationResult:
                    f"{len(bad)} not as expected: {', '.join(r.variant.name for r in bad)}"))
 
     def to_text(self) -> str:
-        rows = [self.HEAD] + self._cells()
-        widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEAD) - 1)]
+        head = self._head()
+        rows = [head] + self._cells()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
         lines = [f"ablation: {self.title} ({self.matrix})"]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
@@ -401,7 +516,7 @@ class AblationResult:
         def cell(c: str) -> str:
             return c.replace("|", "\\|")
 
-        head = [h or "as expected" for h in self.HEAD]
+        head = [h or "as expected" for h in self._head()]
         out = [f"## Ablation: {self.title}", "", "| " + " | ".join(head) + " |",
                "|" + " --- |" * len(head)]
         out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in self._cells()]
@@ -455,6 +570,11 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
     slug = _slug(v.name, index)
     paths = {"hit": work / f"{slug}-hit.h5", "cold": work / f"{slug}-cold.h5"}
     row = Row(index, v, "ERROR", v.expect == "error")
+    try:
+        format_model(v.settings)
+    except NoSuchFormat as e:
+        row.error = str(e)
+        return row
     for mode in ("hit", "cold"):
         out = paths[mode]
         python = v.settings.get("python")
@@ -479,6 +599,7 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
         with open_trace(hit) as t:
             row.hits = [t.requests[i].get("num_cached_tokens") for i in sorted(t.requests)]
             row.engine = " ".join(str(t.run[k]) for k in ("engine", "engine_version") if t.run.get(k)) or None
+            row.format = t.run.get("target_format") if isinstance(t.run.get("target_format"), str) else None
         noise = v.settings.get("noise")
         result = compare(hit, cold, tol=v.settings.get("tol") or (),
                          noise=_local(noise, root) if noise else None)

@@ -21,9 +21,16 @@ TINY_DENSE = "tiny-dense"
 TINY_EAGLE3 = "tiny-eagle3"
 TINY_MTP = "tiny-mtp"  # the tiny hybrid with an MTP head whose drafts are accepted (tiny/mtp.py)
 TINY_TP = "tiny-tp"  # the tiny hybrid with 2+ heads of every kind: --tensor-parallel-size 2
-KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp", TINY_TP: "tp"}
+TINY_FP8 = "tiny-fp8"  # the tiny hybrid as a compressed-tensors FP8_DYNAMIC target (tiny/formats.py)
+TINY_NVFP4 = "tiny-nvfp4"  # the tiny hybrid as a compressed-tensors NVFP4 (W4A4) target
+TINY_MTP_FP8 = "tiny-mtp-fp8"  # tiny-mtp with its target FP8_DYNAMIC, the MTP head bf16
+TINY_MTP_NVFP4 = "tiny-mtp-nvfp4"  # tiny-mtp with its target NVFP4, the MTP head bf16
+KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp", TINY_TP: "tp",
+         TINY_FP8: "hybrid-fp8", TINY_NVFP4: "hybrid-nvfp4", TINY_MTP_FP8: "mtp-fp8", TINY_MTP_NVFP4: "mtp-nvfp4"}
 _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
-         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp", "dflash": "tiny-dflash-for-qwen3next-mtp"}
+         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp", "dflash": "tiny-dflash-for-qwen3next-mtp",
+         "hybrid-fp8": "tiny-qwen3next-fp8", "hybrid-nvfp4": "tiny-qwen3next-nvfp4",
+         "mtp-fp8": "tiny-qwen3next-mtp-fp8", "mtp-nvfp4": "tiny-qwen3next-mtp-nvfp4"}
 
 
 def home() -> Path:
@@ -36,8 +43,10 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
 
     ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
     "mtp" (the hybrid with an MTP head whose drafts are accepted), "dflash" (vLLM's DFlash
-    drafter for "mtp", built to be accepted: ``tiny/dflash.py``) or "tp" (the hybrid with 2 heads
-    of every kind, for ``--tensor-parallel-size 2``).
+    drafter for "mtp", built to be accepted: ``tiny/dflash.py``), "tp" (the hybrid with 2 heads
+    of every kind, for ``--tensor-parallel-size 2``) or "hybrid-fp8" / "hybrid-nvfp4" (the hybrid
+    as a compressed-tensors FP8_DYNAMIC / NVFP4 target, routed experts bf16: ``tiny/formats.py``),
+    "mtp-fp8" / "mtp-nvfp4" (the "mtp" hybrid so, its MTP head bf16).
     """
     return home() / f"{_DIRS[kind]}-seed{seed}"
 
@@ -63,6 +72,11 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         from statediff_hooks.tiny.model import build_tiny_tp_model
 
         return build_tiny_tp_model(out, seed=seed, overwrite=overwrite)
+    if kind in ("hybrid-fp8", "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"):
+        from statediff_hooks.tiny.formats import build_tiny_quantized_model
+
+        base, fmt = kind.split("-")
+        return build_tiny_quantized_model(out, fmt, seed=seed, overwrite=overwrite, mtp=base == "mtp")
     if kind == "mtp":
         from statediff_hooks.tiny.mtp import build_tiny_mtp_model
 
@@ -77,7 +91,8 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
 
 
 def resolve_model(model: str, seed: int = 0) -> str:
-    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` / ``tiny-mtp`` / ``tiny-tp`` -> the built-in model's directory
+    """``tiny`` / ``tiny-dense`` / ``tiny-eagle3`` / ``tiny-mtp`` / ``tiny-tp`` / ``tiny-fp8`` /
+    ``tiny-nvfp4`` / ``tiny-mtp-fp8`` / ``tiny-mtp-nvfp4`` -> the built-in model's directory
     (built on first use); anything else unchanged."""
     kind = KINDS.get(model)
     return model if kind is None else str(build_tiny(kind, seed=seed))

@@ -190,7 +190,8 @@ def install_engine_patches() -> list[dict]:
     """Install, in this process, the stand-ins an engine needs to run at all on this platform.
 
     Today: ``mamba_align_cpu`` (vLLM's two Triton-only mamba align kernels, on a CPU
-    without Triton, where vLLM has no CPU implementation of them) and, on vLLM without an
+    without Triton, where vLLM has no CPU implementation of them), ``nvfp4_cpu`` (vLLM's
+    NVFP4 emulation kernel registered for a CPU that lists no NVFP4 kernel) and, on vLLM without an
     override registry (0.30), ``kernel_overrides_v030.install_spec_dispatchers`` (vLLM's own
     CPU ports for the speculative-decoding warmup dispatchers 0.30 leaves on Triton). Idempotent.
 
@@ -204,9 +205,9 @@ def install_engine_patches() -> list[dict]:
     import importlib
     import importlib.util
 
-    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu
+    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu, nvfp4_cpu
 
-    out = mamba_align_cpu.install()
+    out = mamba_align_cpu.install() + nvfp4_cpu.install()
     if importlib.util.find_spec("vllm.triton_utils.dispatcher") is None:  # vLLM 0.29/0.30: no registry
         out += kernel_overrides_v030.install_spec_dispatchers()
     for name in filter(None, os.environ.get(ENGINE_FIX_ENV, "").split(",")):
@@ -220,12 +221,12 @@ def _engine_patches(runner: Any) -> list[dict]:
     """The installed engine patches this runner's configuration launches (run field ``engine_patches``)."""
     import importlib
 
-    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu
+    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu, nvfp4_cpu
 
     fixes = [importlib.import_module(m).installed(runner) for m in ENGINE_FIXES.values()
              if m in sys.modules]  # only a fix this process installed has its module imported
     return (mamba_align_cpu.installed(runner) + kernel_overrides_v030.spec_dispatchers_installed(runner)
-            + [p for f in fixes for p in f])
+            + nvfp4_cpu.installed(runner) + [p for f in fixes for p in f])
 
 
 def check_trace_path(trace: str | None) -> None:

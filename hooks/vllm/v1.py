@@ -619,6 +619,30 @@ def _fault_of_rank(fault: Any, runner: Any) -> Any:
     return fault if rank_of(runner)[0] == fault.rank else None
 
 
+def _target_format(mc: Any) -> str | None:
+    """Run field ``target_format``: "bf16"/"float16"/... for an unquantised model (its dtype),
+    "fp8" or "nvfp4" for a compressed-tensors checkpoint of that format
+    (``nvfp4_cpu.checkpoint_format``), else "<quant_method>:<format>"; None if unreadable."""
+    from statediff_hooks.vllm.nvfp4_cpu import checkpoint_format
+
+    if not mc.quantization:
+        return str(mc.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    try:
+        return checkpoint_format(mc.hf_config.to_dict())
+    except Exception:  # noqa: BLE001 - a config that does not serialise: unknown
+        return None
+
+
+def _linear_kernels(runner: Any) -> dict[str, str]:
+    """Run field ``linear_kernels``: the quantised linear layers' scheme -> kernel classes."""
+    from statediff_hooks.vllm.nvfp4_cpu import linear_kernels
+
+    try:
+        return linear_kernels(runner)
+    except Exception:  # noqa: BLE001 - a model whose modules cannot be walked: not recorded
+        return {}
+
+
 def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     """Run metadata from the running engine (``docs/trace-format.md``, ``/run``).
 
@@ -662,6 +686,8 @@ def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
         "config_digest": digest,
         "dtype": str(mc.dtype).removeprefix("torch."),
         "quantization": str(mc.quantization) if mc.quantization else "none",
+        "target_format": _target_format(mc),
+        "linear_kernels": _linear_kernels(runner),
         "block_size": eff["block_size"],
         "mamba_block_size": eff["mamba_block_size"],
         "mamba_cache_mode": getattr(cc, "mamba_cache_mode", None),

@@ -305,3 +305,115 @@ def test_a_python_setting_without_an_interpreter_is_refused_before_anything_runs
     assert r.exit_code == 2
     assert r.stderr == (f"statediff: error: {tmp_path / 'm.toml'}: variant 1 ('vLLM 0.29'): python = 'vllm-0.29.0': "
                         "no Python executable there (give an interpreter or a venv directory)\n")
+
+
+FORMATS_MATRIX = """
+title = "drafter x prefix hit x format"
+[base]
+model = "tiny"
+replay = "exact"
+
+[[axis]]
+name = "drafter"
+values = [{{ label = "none" }},
+          {{ label = "MTP", model = "tiny-mtp", speculative_config = {{ method = "mtp", num_speculative_tokens = 3 }} }}]
+
+[[axis]]
+name = "prefix hit"
+values = [{{ label = "hit" }}, {{ label = "forced miss", forced_miss = true }}]
+
+[[axis]]
+name = "format"
+values = [{{ label = "bf16", format = "bf16" }}, {{ label = "FP8", format = "fp8" }},
+          {{ label = "NVFP4", format = "nvfp4" }}]
+{variants}"""
+
+FAKE_FORMAT_RECORD = '''"""Stands in for `python -m statediff record ...`: a synthetic trace whose run names the target
+format of the --model given (tiny-fp8 -> fp8, tiny-nvfp4 -> nvfp4, else bf16)."""
+import sys
+sys.path.insert(0, {tests!r})
+from synth import write_trace
+
+argv = sys.argv[1:]
+out, mode, model = argv[argv.index("-o") + 1], argv[argv.index("--mode") + 1], argv[argv.index("--model") + 1]
+fmt = "fp8" if model.endswith("-fp8") else "nvfp4" if model.endswith("-nvfp4") else "bf16"
+with open(out + ".argv", "w") as f:
+    f.write(" ".join(argv))
+write_trace(out, mode, replay="exact", engine="vllm", engine_version="0.32.0", target_format=fmt)
+'''
+
+
+def test_axes_multiply_the_rows_drafter_by_hit_by_format(tmp_path):
+    m = load_matrix(write(tmp_path, FORMATS_MATRIX.format(variants="")))
+    assert [v.name for v in m.variants] == [
+        f"base / {d} / {h} / {f}" for d in ("none", "MTP") for h in ("hit", "forced miss")
+        for f in ("bf16", "FP8", "NVFP4")]
+    v = m.variants[10]  # MTP, forced miss, FP8
+    assert v.name == "base / MTP / forced miss / FP8"
+    assert v.changes == ('model=tiny-mtp, speculative_config={"method":"mtp","num_speculative_tokens":3}, '
+                         "forced_miss=true, format=fp8")
+    assert (v.settings["model"], v.settings["forced_miss"], v.settings["format"]) == ("tiny-mtp", True, "fp8")
+    words = variant_argv(m.variants[2].settings, "hit", tmp_path / "o.h5", tmp_path)
+    assert words[words.index("--model") + 1] == "tiny-nvfp4"
+    assert words[words.index("--mode") + 1] == "hit"
+    words = variant_argv(m.variants[4].settings, "hit", tmp_path / "o.h5", tmp_path)  # forced miss, FP8
+    assert (words[words.index("--model") + 1], words[words.index("--mode") + 1]) == ("tiny-fp8", "cold")
+    # variants times axes: two variants give twice the rows, the variant's name first
+    m = load_matrix(write(tmp_path, FORMATS_MATRIX.format(
+        variants='[[variant]]\nname = "a"\n[[variant]]\nname = "b"\nblock_size = 64\n')))
+    assert len(m.variants) == 24 and m.variants[12].name == "b / none / hit / bf16"
+    assert m.variants[12].changes == "block_size=64, format=bf16"
+
+
+def test_format_column_and_a_format_the_model_lacks_is_an_error_row(tmp_path):
+    import sys
+
+    from statediff_hooks.drivers.ablate import run_matrix
+
+    script = tmp_path / "fake_record.py"
+    script.write_text(FAKE_FORMAT_RECORD.format(tests=str(Path(__file__).resolve().parents[1])))
+    exe = tmp_path / "venv" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{script}" "$@"\n')  # drops "-m statediff"
+    exe.chmod(0o755)
+    text = FORMATS_MATRIX.format(variants="").replace('replay = "exact"', 'replay = "exact"\npython = "venv"')
+    m = load_matrix(write(tmp_path, text))
+    res = run_matrix(m, work_dir=tmp_path / "work")
+    assert [(r.variant.name, r.status, r.format) for r in res.rows[:3]] == [
+        ("base / none / hit / bf16", "PASS", "bf16"), ("base / none / hit / FP8", "PASS", "fp8"),
+        ("base / none / hit / NVFP4", "PASS", "nvfp4")]
+    assert [(r.status, r.format) for r in res.rows[6:9]] == [("PASS", "bf16"), ("PASS", "fp8"), ("PASS", "nvfp4")]
+    assert (tmp_path / "work" / "09-base---mtp---hit---nvfp4-hit.h5.argv").read_text().split()[:3] == [
+        "record", "--model", "tiny-mtp-nvfp4"]
+    assert (tmp_path / "work" / "01-base---none---hit---bf16-hit.h5.argv").read_text().split()[:3] == [
+        "record", "--model", "tiny"]
+    lines = res.to_text().splitlines()
+    assert lines[1].split()[:5] == ["#", "variant", "changes", "engine", "format"]
+    assert lines[3].split()[:8] == ["2", "base", "/", "none", "/", "hit", "/", "FP8"]
+    assert lines[3].split()[9:12] == ["vllm", "0.32.0", "fp8"]
+    md = res.to_markdown().splitlines()
+    assert md[2].startswith("| # | variant | changes | engine | format | hit tokens per request | result |")
+    assert md[5].startswith("| 2 | base / none / hit / FP8 | format=fp8 | vllm 0.32.0 | fp8 | ")
+    assert res.to_json()["rows"][2]["format"] == "nvfp4"
+    # a model without builds in that format: an ERROR row naming it, the matrix goes on
+    m = load_matrix(write(tmp_path, '[base]\nmodel = "tiny-dense"\npython = "venv"\n'
+                                    '[[variant]]\nname = "dense fp8"\nformat = "fp8"\n'
+                                    '[[variant]]\nname = "dense"\n'))
+    res = run_matrix(m, work_dir=tmp_path / "work2")
+    assert [(r.status, r.format) for r in res.rows] == [("ERROR", None), ("PASS", "bf16")]
+    assert res.rows[0].error == ("format = 'fp8': no fp8 build of model 'tiny-dense' (built-in formats: "
+                                 "tiny (bf16, fp8, nvfp4), tiny-mtp (bf16, fp8, nvfp4))")
+
+
+@pytest.mark.parametrize("axis,message", [
+    ('[[axis]]\nvalues = [{ label = "x" }]\n', "axis 1: needs a name"),
+    ('[[axis]]\nname = "f"\nvalues = []\n', "axis 1 ('f'): values must be a non-empty array of tables, each with a label"),
+    ('[[axis]]\nname = "f"\nvalues = [{ format = "fp8" }]\n', "axis 1 ('f'): every value needs a label, each used once"),
+    ('[[axis]]\nname = "f"\nvalues = [{ label = "x", format = "fp4" }]\n',
+     "axis 1 ('f'), value 'x': format = 'fp4', expected one of bf16, fp8, nvfp4"),
+    ('[[axis]]\nname = "f"\nvalues = [{ label = "x", colour = 1 }]\n', "axis 1 ('f'), value 'x': unknown key 'colour'"),
+])
+def test_a_bad_axis_is_one_line_exit_2(tmp_path, axis, message):
+    r = CliRunner().invoke(cli, ["ablate", str(write(tmp_path, axis))])
+    assert r.exit_code == 2
+    assert r.stderr.startswith(f"statediff: error: {tmp_path / 'm.toml'}: {message}")

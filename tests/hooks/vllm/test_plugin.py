@@ -162,9 +162,10 @@ def test_a_trace_into_a_missing_directory_is_refused_at_register_time(tmp_path, 
 
 @pytest.mark.vllm  # the fix is built from vLLM's own source
 def test_the_engine_fix_is_installed_only_when_named(monkeypatch):
-    from statediff_hooks.vllm import gdn_ragged_fix, mamba_align_cpu
+    from statediff_hooks.vllm import gdn_ragged_fix, mamba_align_cpu, nvfp4_cpu
 
     monkeypatch.setattr(mamba_align_cpu, "install", lambda: [])
+    monkeypatch.setattr(nvfp4_cpu, "install", lambda: [])
     monkeypatch.delenv(plugin.ENGINE_FIX_ENV, raising=False)
     try:
         assert plugin.install_engine_patches() == [] and gdn_ragged_fix.installed() == []
