@@ -247,17 +247,20 @@ class BundleInspectResult:
 
     Attributes:
         path: the zip.
-        manifest: format, version, folder, root, diagnosis, compare options, sources, notes.
+        manifest: format, version, folder, root, diagnosis, compare options, sources, notes, and a
+            tensor-parallel bundle's ``tensor_parallel`` (world size, root rank, the other ranks' members).
         members: name -> {"bytes", "sha256"} (each checked against the zip before this was made).
-        kept: how many tensors the manifest says each side keeps.
-        traces: ``inspect`` of ``hit.h5`` and ``cold.h5``, named ``BUNDLE.zip:folder/member``.
+        kept: how many tensors the manifest says each side keeps (the root rank's, in a tensor-parallel
+            bundle; ``"ranks"``: the other ranks' shards of the root, both sides).
+        traces: ``inspect`` of ``hit.h5`` and ``cold.h5`` (then of each other rank's pair, rank order),
+            named ``BUNDLE.zip:folder/member``.
     """
 
     path: str
     manifest: dict[str, Any]
     members: dict[str, dict[str, Any]]
     kept: dict[str, int]
-    traces: tuple[InspectResult, InspectResult]
+    traces: tuple[InspectResult, ...]
     exit_code: int = 0
 
     def to_json(self) -> dict:
@@ -274,6 +277,7 @@ class BundleInspectResult:
                f"diagnosis: {str(m.get('diagnosis') or 'none').removeprefix('diagnosis: ')}",
                "compare options: " + (" ".join(map(str, m.get("compare_options") or [])) or "none"),
                f"kept: {self.kept.get('hit', 0)} hit and {self.kept.get('cold', 0)} cold tensors",
+               *_tp_lines(m.get("tensor_parallel"), self.kept.get("ranks", 0)),
                "sources: " + ", ".join(f"{k} {v}" for k, v in (m.get("sources") or {}).items()),
                "members (size and SHA-256 checked against the manifest):"]
         out += [f"  {name:<13} {d['bytes']:>10} bytes  sha256 {d['sha256'][:16]}..." for name, d in self.members.items()]
@@ -294,9 +298,24 @@ def inspect_bundle(path: str | os.PathLike) -> BundleInspectResult:
     from statediff.incident.unpack import open_bundle
 
     with open_bundle(path) as b:
+        paths = [b.hit, b.cold] + [p for r in sorted(b.ranks) for p in b.ranks[r]]
         traces = tuple(dataclasses.replace(inspect_trace(p), path=b.name(p.name), verify_target=str(path))
-                       for p in (b.hit, b.cold))
-        keep = ("format", "version", "folder", "root", "diagnosis", "compare_options", "sources", "notes")
-        kept = Counter(k.get("side") for k in b.manifest.get("kept") or [] if isinstance(k, dict))
-        return BundleInspectResult(str(path), {k: b.manifest.get(k) for k in keep}, b.members,
-                                   {"hit": kept["hit"], "cold": kept["cold"]}, traces)
+                       for p in paths)
+        keep = ("format", "version", "folder", "root", "diagnosis", "compare_options", "sources", "notes",
+                "tensor_parallel")
+        listed = [k for k in b.manifest.get("kept") or [] if isinstance(k, dict)]
+        kept = Counter(k.get("side") for k in listed if k.get("rank") in (None, b.root_rank))
+        manifest = {k: b.manifest.get(k) for k in keep if k != "tensor_parallel" or b.ranks}
+        return BundleInspectResult(str(path), manifest, b.members,
+                                   {"hit": kept["hit"], "cold": kept["cold"]}
+                                   | ({"ranks": len(listed) - kept["hit"] - kept["cold"]} if b.ranks else {}),
+                                   traces)
+
+
+def _tp_lines(tp: dict | None, n: int) -> list[str]:
+    """A tensor-parallel bundle's line: the root rank and the other ranks' members."""
+    if not tp:
+        return []
+    return [f"tensor parallel: rank {tp['root_rank']} of {tp['world_size']} is the root rank (hit.h5, cold.h5); "
+            f"the other ranks' shards of the root: {n} tensors in "
+            + ", ".join(f"{x['hit']}, {x['cold']}" for x in tp["ranks"])]
