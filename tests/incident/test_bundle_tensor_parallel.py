@@ -1,7 +1,7 @@
 """statediff extract of two tensor-parallel sets (issue 20): the bundle holds the root rank's tensors
 as any bundle does, and every other rank's shards of the root tensor, nothing more; compare, inspect,
-verify and report work on it. Synthetic 2-rank sets split the way vLLM 0.32 shards (synth.split_ranks),
-the fault planted in rank 1's shards only."""
+verify and report work on it; inspect of a set names every rank and its shard layout. Synthetic
+2-rank sets split the way vLLM 0.32 shards (synth.split_ranks), the fault in rank 1's shards only."""
 
 from __future__ import annotations
 
@@ -128,3 +128,19 @@ def test_extract_of_a_set_against_one_trace_is_refused_in_one_line(sets, tmp_pat
     assert r.exit_code == 2
     assert r.stderr == (f"statediff: error: {sets[0]} is a tensor-parallel set and {cold} one trace: extract needs "
                         "two sets of the same size (rank by rank) or two single traces; compare them instead\n")
+
+
+def test_inspect_of_a_set_names_every_rank_and_its_layout(sets, tmp_path):
+    r = run("inspect", sets[0])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[2].startswith("tensor parallel: rank 0 of 2: this rank's shards only (the set: hit-set.h5, "
+                               "hit-set.rank1.h5;")
+    assert lines[4] == ("  rank 1: hit-set.rank1.h5; attn.k axis 1: [1,2) of 2; attn.v axis 1: [1,2) of 2; "
+                        "gdn.conv_state axis 1: q [0,32)->[32,64), k [32,64)->[96,128), v [64,128)->[192,256); "
+                        "gdn.ssm_state axis 0: [1,2) of 2")
+    assert lines[3].startswith("  rank 0: this trace; attn.k axis 1: [0,1) of 2;")
+    ranks = json.loads(run("inspect", sets[0], "--json").stdout)["ranks"]
+    assert [(x["rank"], x["trace"], x["present"]) for x in ranks] == [(0, "hit-set.h5", True),
+                                                                      (1, "hit-set.rank1.h5", True)]
+    assert ranks[1]["shards"]["gdn.ssm_state"] == {"axis": 0, "of": 2, "slice": [1, 2]}
