@@ -254,6 +254,8 @@ def inspect_trace(path: str | os.PathLike) -> InspectResult:
 def _rank_layouts(path: Path, run: dict) -> list[dict[str, Any]]:
     """Every rank of the tensor-parallel set ``path`` belongs to, with its shard layout (read from
     each rank's own trace: run field ``tensor_parallel.shards``); [] for a plain trace."""
+    from statediff.diff.ranks import exists
+
     tp = run.get("tensor_parallel")
     if not (isinstance(tp, dict) and isinstance(tp.get("traces"), list) and isinstance(tp.get("world_size"), int)
             and len(tp["traces"]) == tp["world_size"] > 1):
@@ -262,7 +264,7 @@ def _rank_layouts(path: Path, run: dict) -> list[dict[str, Any]]:
     for r, name in enumerate(tp["traces"]):
         p = Path(path).with_name(str(name)) if isinstance(name, str) and name and "/" not in name else None
         shards = tp.get("shards") if r == tp.get("rank") else None
-        present = r == tp.get("rank") or (p is not None and p.is_file())
+        present = r == tp.get("rank") or (p is not None and exists(p))
         if shards is None and present and p is not None:
             try:
                 with open_trace(p) as other:

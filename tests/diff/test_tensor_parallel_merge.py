@@ -48,3 +48,12 @@ def test_a_set_against_a_single_trace_needs_allow_engine_mismatch_then_is_judged
     assert r.exit_code == 0, r.output
     assert out["verdict"] == "same" and not out["tolerance_policy"].startswith("exact")
     assert out["warnings"][0].startswith(f"tensor parallel: the hit side is {set0} (2 ranks), unsharded")
+
+
+def test_a_rank_trace_left_as_parts_is_present(tmp_path):
+    """vllm serve's process manager kills the workers at shutdown: their traces stay ``.parts``
+    directories (partial traces), which compare and inspect read as the rank's trace."""
+    from statediff.diff.ranks import exists
+
+    (tmp_path / "served.rank1.h5.parts").mkdir()
+    assert exists(tmp_path / "served.rank1.h5") and not exists(tmp_path / "served.rank2.h5")
