@@ -319,15 +319,7 @@ def write_bundle(result: Any, out: str | os.PathLike, options: CompareOptions = 
         traces = {"hit": hit, "cold": cold}
         sel = _selection(result, traces, max_mb, neighbours, siblings)
         notes = _notes(result, traces)
-        tp, rank_kept = None, []
-        if ranked is not None:
-            tp = {"world_size": ranked.world_size, "root_rank": ranked.root_rank,
-                  "ranks": [{"rank": r, "hit": rank_member("hit", r), "cold": rank_member("cold", r)}
-                            for r in range(ranked.world_size) if r != ranked.root_rank]}
-            notes.append(f"tensor parallel: {folder}/hit.h5 and {folder}/cold.h5 hold rank {ranked.root_rank} "
-                         f"of {ranked.world_size} (the root rank: its first divergence comes first); "
-                         + ", ".join(f"{folder}/{x['hit']} and {folder}/{x['cold']}" for x in tp["ranks"])
-                         + " hold that rank's shards of the root tensor only")
+        tp, rank_kept = _tp_field(ranked, folder, notes), []
         with tempfile.TemporaryDirectory(prefix=".statediff-bundle-", dir=parent) as tmp:
             d = Path(tmp) / folder
             d.mkdir()
@@ -401,6 +393,21 @@ def _write_traces(result: CompareResult, traces: dict[str, Trace], sel: Selectio
     _check_same(result, again)
     verified.append("statediff compare on the extracted pair finds the same root and diagnosis")
     return verified
+
+
+def _tp_field(ranked: Any, folder: str, notes: list[str]) -> dict | None:
+    """The manifest's ``tensor_parallel`` field of a set's bundle (None for a pair), and its note
+    (appended to ``notes``): which member holds which rank."""
+    if ranked is None:
+        return None
+    tp = {"world_size": ranked.world_size, "root_rank": ranked.root_rank,
+          "ranks": [{"rank": r, "hit": rank_member("hit", r), "cold": rank_member("cold", r)}
+                    for r in range(ranked.world_size) if r != ranked.root_rank]}
+    notes.append(f"tensor parallel: {folder}/hit.h5 and {folder}/cold.h5 hold rank {ranked.root_rank} "
+                 f"of {ranked.world_size} (the root rank: its first divergence comes first); "
+                 + ", ".join(f"{folder}/{x['hit']} and {folder}/{x['cold']}" for x in tp["ranks"])
+                 + " hold that rank's shards of the root tensor only")
+    return tp
 
 
 def _write_ranks(ranked: Any, root: tuple, d: Path, verified: list[str]) -> list[dict]:
