@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 from statediff.trace.layers import drafter_layers
@@ -40,6 +41,9 @@ class InspectResult:
         sizes: ``raw_bytes`` (decompressed tensor bytes), ``stored_bytes``
             (the tensor datasets on disk), ``file_bytes`` (the file or parts
             directory), ``ratio`` (raw / stored).
+        ranks: a tensor-parallel trace's set (run field ``tensor_parallel``): one
+            ``{"rank", "trace", "present", "shards"}`` per rank, rank order (``shards``: that rank's
+            layout, read from its own trace; None when it is missing or unreadable); else empty.
     """
 
     path: str
@@ -61,6 +65,7 @@ class InspectResult:
     keep: dict[str, Any] | None = None
     data_verified: bool = False  # inspect reads no tensor data: 'statediff verify' does
     verify_target: str = ""  # what 'statediff verify' is given to check this trace ("": path)
+    ranks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         doc = dataclasses.asdict(self) | {"format": FORMAT_NAME}
@@ -81,6 +86,10 @@ class InspectResult:
         if isinstance(tp, dict) and isinstance(tp.get("traces"), list) and tp["traces"]:
             out.append(f"tensor parallel: rank {tp.get('rank')} of {tp.get('world_size')}: this rank's shards only "
                        f"(the set: {', '.join(map(str, tp['traces']))}; 'statediff compare' takes {tp['traces'][0]})")
+        for r in self.ranks:
+            where = "this trace" if r["rank"] == tp.get("rank") else r["trace"] if r["present"] else \
+                f"{r['trace']} (missing)"
+            out.append(f"  rank {r['rank']}: {where}" + (f"; {_layout_text(r['shards'])}" if r["shards"] else ""))
         out.append("run:")
         out += [f"  {k:<22} {_value(k, v, self.run)}" for k, v in self.run.items()]
         if (retention := retention_line(self.run.get("effective"))) is not None:
@@ -238,7 +247,52 @@ def inspect_trace(path: str | os.PathLike) -> InspectResult:
                    "ratio": raw / stored if stored else 0.0},
             incomplete_reason=t.partial_reason, hit_findings=[a.finding for a in hits.values() if a.finding],
             digest_only=len(digests), kinds=kinds,
-            keep=t.run.get("keep") if isinstance(t.run.get("keep"), dict) else None)
+            keep=t.run.get("keep") if isinstance(t.run.get("keep"), dict) else None,
+            ranks=_rank_layouts(t.path, t.run))
+
+
+def _rank_layouts(path: Path, run: dict) -> list[dict[str, Any]]:
+    """Every rank of the tensor-parallel set ``path`` belongs to, with its shard layout (read from
+    each rank's own trace: run field ``tensor_parallel.shards``); [] for a plain trace."""
+    from statediff.diff.ranks import exists
+
+    tp = run.get("tensor_parallel")
+    if not (isinstance(tp, dict) and isinstance(tp.get("traces"), list) and isinstance(tp.get("world_size"), int)
+            and len(tp["traces"]) == tp["world_size"] > 1):
+        return []
+    out = []
+    for r, name in enumerate(tp["traces"]):
+        p = Path(path).with_name(str(name)) if isinstance(name, str) and name and "/" not in name else None
+        shards = tp.get("shards") if r == tp.get("rank") else None
+        present = r == tp.get("rank") or (p is not None and exists(p))
+        if shards is None and present and p is not None:
+            try:
+                with open_trace(p) as other:
+                    shards = (other.run.get("tensor_parallel") or {}).get("shards")
+            except Exception:  # a damaged rank trace: inspect it on its own for why
+                shards = None
+        out.append({"rank": r, "trace": str(name), "present": present,
+                    "shards": shards if isinstance(shards, dict) else None})
+    return out
+
+
+def _layout_text(shards: dict) -> str:
+    """One line of a rank's shard layout: each kind's slices of the unsharded tensor."""
+    parts = []
+    for kind, lay in shards.items():
+        if not isinstance(lay, dict):
+            continue
+        if isinstance(lay.get("parts"), list):
+            parts.append(f"{kind} axis {lay.get('axis')}: " + ", ".join(
+                f"{p.get('name')} {_span(p.get('local'))}->{_span(p.get('global'))}" for p in lay["parts"]
+                if isinstance(p, dict)))
+        else:
+            parts.append(f"{kind} axis {lay.get('axis')}: {_span(lay.get('slice'))} of {lay.get('of')}")
+    return "; ".join(parts)
+
+
+def _span(s: Any) -> str:
+    return f"[{s[0]},{s[1]})" if isinstance(s, list) and len(s) == 2 else "?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,17 +301,20 @@ class BundleInspectResult:
 
     Attributes:
         path: the zip.
-        manifest: format, version, folder, root, diagnosis, compare options, sources, notes.
+        manifest: format, version, folder, root, diagnosis, compare options, sources, notes, and a
+            tensor-parallel bundle's ``tensor_parallel`` (world size, root rank, the other ranks' members).
         members: name -> {"bytes", "sha256"} (each checked against the zip before this was made).
-        kept: how many tensors the manifest says each side keeps.
-        traces: ``inspect`` of ``hit.h5`` and ``cold.h5``, named ``BUNDLE.zip:folder/member``.
+        kept: how many tensors the manifest says each side keeps (the root rank's, in a tensor-parallel
+            bundle; ``"ranks"``: the other ranks' shards of the root, both sides).
+        traces: ``inspect`` of ``hit.h5`` and ``cold.h5`` (then of each other rank's pair, rank order),
+            named ``BUNDLE.zip:folder/member``.
     """
 
     path: str
     manifest: dict[str, Any]
     members: dict[str, dict[str, Any]]
     kept: dict[str, int]
-    traces: tuple[InspectResult, InspectResult]
+    traces: tuple[InspectResult, ...]
     exit_code: int = 0
 
     def to_json(self) -> dict:
@@ -274,6 +331,7 @@ class BundleInspectResult:
                f"diagnosis: {str(m.get('diagnosis') or 'none').removeprefix('diagnosis: ')}",
                "compare options: " + (" ".join(map(str, m.get("compare_options") or [])) or "none"),
                f"kept: {self.kept.get('hit', 0)} hit and {self.kept.get('cold', 0)} cold tensors",
+               *_tp_lines(m.get("tensor_parallel"), self.kept.get("ranks", 0)),
                "sources: " + ", ".join(f"{k} {v}" for k, v in (m.get("sources") or {}).items()),
                "members (size and SHA-256 checked against the manifest):"]
         out += [f"  {name:<13} {d['bytes']:>10} bytes  sha256 {d['sha256'][:16]}..." for name, d in self.members.items()]
@@ -294,9 +352,26 @@ def inspect_bundle(path: str | os.PathLike) -> BundleInspectResult:
     from statediff.incident.unpack import open_bundle
 
     with open_bundle(path) as b:
-        traces = tuple(dataclasses.replace(inspect_trace(p), path=b.name(p.name), verify_target=str(path))
-                       for p in (b.hit, b.cold))
-        keep = ("format", "version", "folder", "root", "diagnosis", "compare_options", "sources", "notes")
-        kept = Counter(k.get("side") for k in b.manifest.get("kept") or [] if isinstance(k, dict))
-        return BundleInspectResult(str(path), {k: b.manifest.get(k) for k in keep}, b.members,
-                                   {"hit": kept["hit"], "cold": kept["cold"]}, traces)
+        paths = [b.hit, b.cold] + [p for r in sorted(b.ranks) for p in b.ranks[r]]
+        # a member's set is not in the bundle: each shows its own rank's layout only
+        traces = tuple(dataclasses.replace(t, path=b.name(p.name), verify_target=str(path),
+                                           ranks=[r for r in t.ranks if r["rank"] == t.run["tensor_parallel"]["rank"]])
+                       for p in paths for t in [inspect_trace(p)])
+        keep = ("format", "version", "folder", "root", "diagnosis", "compare_options", "sources", "notes",
+                "tensor_parallel")
+        listed = [k for k in b.manifest.get("kept") or [] if isinstance(k, dict)]
+        kept = Counter(k.get("side") for k in listed if k.get("rank") in (None, b.root_rank))
+        manifest = {k: b.manifest.get(k) for k in keep if k != "tensor_parallel" or b.ranks}
+        return BundleInspectResult(str(path), manifest, b.members,
+                                   {"hit": kept["hit"], "cold": kept["cold"]}
+                                   | ({"ranks": len(listed) - kept["hit"] - kept["cold"]} if b.ranks else {}),
+                                   traces)
+
+
+def _tp_lines(tp: dict | None, n: int) -> list[str]:
+    """A tensor-parallel bundle's line: the root rank and the other ranks' members."""
+    if not tp:
+        return []
+    return [f"tensor parallel: rank {tp['root_rank']} of {tp['world_size']} is the root rank (hit.h5, cold.h5); "
+            f"the other ranks' shards of the root: {n} tensors in "
+            + ", ".join(f"{x['hit']}, {x['cold']}" for x in tp["ranks"])]

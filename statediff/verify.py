@@ -130,7 +130,8 @@ def verify(path: str | os.PathLike) -> VerifyResult:
 
     if looks_like_bundle(path):
         with open_bundle(path, strict=False) as b:  # a member that fails its hash is damage, exit 1
-            checks = tuple(verify_trace(p, b.name(p.name)) for p in (b.hit, b.cold)  # a damaged trace
+            paths = [b.hit, b.cold] + [p for r in sorted(b.ranks) for p in b.ranks[r]]  # + a set's other ranks
+            checks = tuple(verify_trace(p, b.name(p.name)) for p in paths  # a damaged trace
                            if not any(d.startswith(b.name(p.name) + " ") for d in b.damaged))  # is named, not read
         return VerifyResult(str(path), checks, b.damaged)
     return VerifyResult(str(path), (verify_trace(path),))

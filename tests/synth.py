@@ -39,6 +39,7 @@ import numpy as np
 
 from statediff.diff.diverge import shared_prefix
 from statediff.trace.dtypes import round_to_bf16
+from statediff.trace.reader import open_trace
 from statediff.trace.schema import TensorEntry
 from statediff.trace.summary import summarize
 from statediff.trace.writer import TraceWriter
@@ -282,3 +283,54 @@ def entry(request: int, position: int, layer: int, kind: str, *, step: int = 0, 
                        module=f"model.layers.{layer}", token_start=position, step=step, block=-1,
                        dataset=f"d{request}-{position}-{layer}-{kind}-{step}{tag}", dtype="float32",
                        shape=(2,), hash="h", sum=0.0, sumsq=0.0, min=0.0, max=0.0, n_nan=0, n_inf=0)
+
+
+# tensor parallel size 2 (issue 20): conv (3, 256) = q 64 | k 64 | v 128; ssm (2, 64, 64): 2 value heads; K/V (16, 2, 64): 2 heads on axis 1
+TP_KD, TP_VD = 64, 128
+
+
+def tp_layout(rank: int) -> dict:
+    """Rank ``rank``'s run field ``tensor_parallel.shards`` of a 2-rank split of these traces."""
+    parts, local, base = [], 0, 0
+    for name, dim in (("q", TP_KD), ("k", TP_KD), ("v", TP_VD)):
+        per = dim // 2
+        parts.append({"name": name, "local": [local, local + per], "global": [base + rank * per, base + (rank + 1) * per]})
+        local, base = local + per, base + dim
+    heads = {"slice": [rank, rank + 1], "of": 2}
+    return {"gdn.conv_state": {"axis": 1, "parts": parts}, "gdn.ssm_state": {"axis": 0, **heads},
+            "attn.k": {"axis": 1, **heads}, "attn.v": {"axis": 1, **heads}}
+
+
+def tp_shard(kind: str, arr: np.ndarray, rank: int) -> np.ndarray:
+    """Rank ``rank``'s shard of the unsharded tensor ``arr`` of ``kind``."""
+    lay = tp_layout(rank)[kind]
+    if kind == "gdn.conv_state":
+        return np.concatenate([arr[:, slice(*p["global"])] for p in lay["parts"]], axis=1)
+    idx = [slice(None)] * arr.ndim
+    idx[lay["axis"]] = slice(*lay["slice"])
+    return arr[tuple(idx)].copy()
+
+
+def split_ranks(full: Path | list[Path], out: Path) -> list[Path]:
+    """``full`` as a 2-rank set, split the way vLLM 0.32 shards (``tp_layout``): rank 0 at ``out``,
+    rank 1 beside it. A list: rank r's shards come from ``full[r]`` (a fault on one rank only)."""
+    paths = [out, out.with_name(f"{out.stem}.rank1.h5")]
+    fulls = full if isinstance(full, list) else [full, full]
+    for rank, (p, src) in enumerate(zip(paths, fulls)):
+        with open_trace(src) as t:
+            run = dict(t.run) | {"tensor_parallel": {"rank": rank, "world_size": 2, "traces": [q.name for q in paths],
+                                                     "shards": tp_layout(rank)}}
+            w = TraceWriter(p, run, threads=0)
+            for i in sorted(t.requests):
+                rec = dict(t.requests[i])
+                prompt, outs = rec.pop("prompt_token_ids", None) or [], rec.pop("output_token_ids", None) or []
+                rid = rec.pop("request_id", None)
+                rec.pop("index", None)
+                w.begin_request(i, rid, prompt, output_token_ids=outs, **rec)
+            for e in t.entries:
+                w.add(tp_shard(e.kind, t.read(e), rank), request=e.request, position=e.position, layer=e.layer,
+                      kind=e.kind, role=e.role, module=e.module, dtype=e.dtype, token_start=e.token_start,
+                      step=e.step, block=e.block)
+            w.end_step()
+            w.close()
+    return paths

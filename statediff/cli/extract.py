@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted, refuse_existing
+from .shared import OUT_FILE, PATH, compare_options, emit, json_option, progress_wanted, refuse_existing
 
 
 @click.command("extract", short_help="Write the smallest bundle (.zip) that shows the root.")
@@ -34,15 +34,38 @@ def extract_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path, max_mb:
     (the incident record), the heatmap and the replayed prompts. It is
     checked before it is written: same fingerprints as the originals, and
     'statediff compare BUNDLE.zip' names the same root and diagnosis.
+    Tensor-parallel recordings: give each set's rank-0 trace; hit.h5 and
+    cold.h5 hold the root rank's tensors, hit.rankR.h5 and cold.rankR.h5
+    every other rank's shards of the root tensor, and nothing more.
     Exit 0 written; 2 on error, including when HIT and COLD do not diverge
     (nothing to extract) and when the bundle does not fit --max-mb.
     """
     from statediff.incident.bundle import check_output, write_bundle
 
+    from .compare import compare_set_or_pair
+
     check_output(output, overwrite=overwrite, max_mb=max_mb)  # before the comparison, which can take minutes
+    _refuse_set_against_single(hit, cold)
     refuse_existing(output, overwrite, inputs=(hit, cold))
-    result = compare_pair(hit, cold, options, progress=progress_wanted(as_json))
+    result = compare_set_or_pair(hit, cold, options, progress=progress_wanted(as_json))
     bundle = write_bundle(result, output, options, max_mb=max_mb, neighbours=0 if no_neighbours else neighbours,
                           siblings=not no_neighbours, plot=not no_plot, overwrite=overwrite)
     emit(bundle, as_json)
     ctx.exit(bundle.exit_code)
+
+
+def _refuse_set_against_single(hit: Path, cold: Path) -> None:
+    """A tensor-parallel set against one trace is compared on unsharded tensors merged in a temporary
+    file: a bundle of that is not built; refused in one line."""
+    from statediff.diff.ranks import rank_set
+    from statediff.errors import StatediffError
+    from statediff.trace import open_trace
+
+    sets = []
+    for p in (hit, cold):
+        with open_trace(p) as t:
+            sets.append(rank_set(p, t.run) is not None)
+    if sets[0] != sets[1]:
+        one, other = (hit, cold) if sets[0] else (cold, hit)
+        raise StatediffError(f"{one} is a tensor-parallel set and {other} one trace: extract needs two sets of the "
+                             "same size (rank by rank) or two single traces; compare them instead")

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 
-from .shared import OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, refuse_existing, write_text_atomic
+from .shared import OUT_FILE, PATH, compare_options, emit, json_option, refuse_existing, write_text_atomic
 
 
 @click.command("report", short_help="Write the incident record (Markdown) of HIT vs COLD.")
@@ -28,13 +28,17 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
     mamba cache mode, acceptance, seed and sampling, forced cache misses,
     replay mode, block size, the root divergence and its diagnosis, and the
     commands that reproduce it; 'unknown' where the traces do not say.
+    Tensor-parallel recordings: give each set's rank-0 trace; the record is the
+    root rank's, its title names the rank.
     Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error.
     """
     from statediff.incident.record import build_report
 
+    from .compare import compare_set_or_pair
+
     if output is not None:
         refuse_existing(output, overwrite, inputs=(hit, cold))
-    report = build_report(compare_pair(hit, cold, options), options)
+    report = build_report(compare_set_or_pair(hit, cold, options), options)
     if output is not None:
         write_text_atomic(output, report.to_markdown())
         click.echo(f"wrote {output}: {report.title}")

@@ -41,6 +41,13 @@ def rank_set(path: str | Path, run: dict) -> list[Path] | None:
     return [Path(path).with_name(n) for n in names]
 
 
+def exists(path: Path) -> bool:
+    """A rank's trace is there: its file, or the ``.parts`` directory of a recording that did not
+    finish (a worker killed at shutdown, e.g. by ``vllm serve``'s process manager), which reads as a
+    partial trace."""
+    return path.is_file() or path.with_name(path.name + ".parts").is_dir()
+
+
 @dataclasses.dataclass(frozen=True)
 class RankedResult:
     """One ``CompareResult`` per rank (``results[r]`` compares rank r's traces) and the root rank.
@@ -132,7 +139,7 @@ def compare_ranks(hit: Path, cold: Path, hit_run: dict, cold_run: dict,
         raise StatediffError(f"{hit} and {cold}: the shard layouts differ (run field tensor_parallel.shards): "
                              "rank r of one does not hold the same slices as rank r of the other")
     for p in hs + cs:
-        if not p.is_file():
+        if not exists(p):
             raise StatediffError(f"{p}: rank trace missing (named by the set's run field tensor_parallel.traces)")
     results = [compare_one(h, c) for h, c in zip(hs, cs)]
     return RankedResult(len(hs), list(zip(hs, cs)), results, _root_rank(results))

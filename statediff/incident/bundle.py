@@ -35,7 +35,8 @@ from statediff.trace.writer import TraceWriter
 from .record import build_report
 from .reproduce import CompareOptions
 from .select import Entry, Kept, Selection, select
-from .unpack import FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, rename, sha256_file
+from .unpack import (FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, rank_member, rename,
+                     sha256_file)
 
 __all__ = ["FORMAT", "MEMBERS", "VERSION", "Bundle", "BundleResult", "compare_bundle", "looks_like_bundle",
            "open_bundle", "write_bundle"]
@@ -60,6 +61,9 @@ class BundleResult:
         source_tensors: tensors in the (hit, cold) source traces.
         verified: what was checked before writing (fingerprints, compare).
         notes: anything skipped (e.g. the heatmap without matplotlib).
+        tensor_parallel: a tensor-parallel set's bundle: ``{"world_size", "root_rank", "ranks": [{"rank",
+            "hit", "cold"}]}`` as in the manifest (``kept`` is then the root rank's), else None.
+        rank_kept: the other ranks' kept tensors (``Kept.to_json()`` with ``rank``), rank order.
     """
 
     path: str
@@ -73,6 +77,8 @@ class BundleResult:
     verified: list[str]
     notes: list[str]
     exit_code: int = 0
+    tensor_parallel: dict | None = None
+    rank_kept: list[dict] = dataclasses.field(default_factory=list)
 
     def to_text(self) -> str:
         n_hit = sum(k.side == "hit" for k in self.kept)
@@ -81,6 +87,12 @@ class BundleResult:
                  f"  diagnosis: {self.diagnosis.removeprefix('diagnosis: ') if self.diagnosis else 'none'}",
                  f"  kept: {n_hit} of {self.source_tensors[0]} hit tensors, {len(self.kept) - n_hit} of "
                  f"{self.source_tensors[1]} cold tensors; all run and request metadata"]
+        if self.tensor_parallel is not None:
+            tp = self.tensor_parallel
+            lines.insert(2, f"  tensor parallel: rank {tp['root_rank']} of {tp['world_size']} is the root rank "
+                            f"(hit.h5, cold.h5); every other rank's shards of the root tensor: "
+                            f"{len(self.rank_kept)} tensors in "
+                            + ", ".join(f"{x['hit']}/{x['cold']}" for x in tp["ranks"]))
         lines += [f"  verified: {v}" for v in self.verified]
         lines += [f"  {name}: {_size(n)}" for name, n in self.members]
         lines += [f"  note: {n}" for n in self.notes]
@@ -93,7 +105,8 @@ class BundleResult:
                          "root": self.root.to_json(), "diagnosis": self.diagnosis,
                          "kept": [k.to_json() for k in self.kept],
                          "source_tensors": list(self.source_tensors), "verified": self.verified,
-                         "notes": self.notes})
+                         "notes": self.notes, "tensor_parallel": self.tensor_parallel,
+                         "rank_kept": self.rank_kept})
 
 
 def have_matplotlib() -> bool:
@@ -252,7 +265,7 @@ def check_output(out: str | os.PathLike, *, overwrite: bool = False,
     return out
 
 
-def write_bundle(result: CompareResult, out: str | os.PathLike, options: CompareOptions = CompareOptions(), *,
+def write_bundle(result: Any, out: str | os.PathLike, options: CompareOptions = CompareOptions(), *,
                  max_mb: float = GITHUB_LIMIT_MB, neighbours: int = 1, siblings: bool = True,
                  plot: bool = True, overwrite: bool = False) -> BundleResult:
     """Write the bundle of ``result``'s root divergence.
@@ -265,8 +278,14 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
     against ``max_mb`` (``_fits``) and opened as a reader would (``_opens``:
     ``open_bundle``'s checks); then move it into place.
 
+    A tensor-parallel set (``result`` a ``statediff.diff.ranks.RankedResult``): ``hit.h5`` and
+    ``cold.h5`` are the root rank's selection, as above; ``hit.rankR.h5`` and ``cold.rankR.h5``
+    hold every other rank R's shards of the root tensor (its key on that rank: every role), and
+    nothing more (``_write_ranks``); the manifest's ``tensor_parallel`` field names them.
+
     Args:
-        result: ``compare`` of the full traces, run with ``options``.
+        result: ``compare`` of the full traces, run with ``options`` (a ``CompareResult``), or of
+            two tensor-parallel sets (a ``RankedResult``).
         out: the .zip to write (its stem names the folder inside).
         options: the options that judged the pair; they travel in the manifest.
         max_mb: refuse a bundle over this many decimal MB (GitHub: 25).
@@ -284,8 +303,16 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
             check failed (fingerprints, root, diagnosis); TraceError when a
             trace cannot be read again.
     """
+    from statediff.diff.ranks import RankedResult
+
     out = check_output(out, overwrite=overwrite, max_mb=max_mb)
     parent = out.parent if str(out.parent) else Path(".")
+    ranked = result if isinstance(result, RankedResult) else None
+    if ranked is not None:
+        if ranked.root_rank is None or ranked.root.first is None:
+            raise StatediffError(f"no divergence between the tensor-parallel sets {ranked.paths[0][0]} and "
+                                 f"{ranked.paths[0][1]} on any of their {ranked.world_size} ranks: nothing to extract")
+        result = ranked.root
     if result.first is None:
         raise StatediffError(f"no divergence between {result.hit.path} and {result.cold.path} "
                              f"({result.pairs} pairs within tolerance): nothing to extract")
@@ -294,11 +321,14 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
         traces = {"hit": hit, "cold": cold}
         sel = _selection(result, traces, max_mb, neighbours, siblings)
         notes = _notes(result, traces)
+        tp, rank_kept = _tp_field(ranked, folder, notes), []
         with tempfile.TemporaryDirectory(prefix=".statediff-bundle-", dir=parent) as tmp:
             d = Path(tmp) / folder
             d.mkdir()
             verified = _write_traces(result, traces, sel, d, options)
-            diag = _write_members(result, sel, d, folder, out, options, notes, plot)
+            if ranked is not None:
+                rank_kept = _write_ranks(ranked, sel.root, d, verified)
+            diag = _write_members(result, sel, d, folder, out, options, notes, plot, tp, rank_kept)
             tmp_zip = Path(tmp) / "bundle.zip"
             members = _write_zip(tmp_zip, d, folder)
             size = _fits(tmp_zip, members, max_mb, hint=bool(neighbours or siblings))
@@ -309,7 +339,8 @@ def write_bundle(result: CompareResult, out: str | os.PathLike, options: Compare
                 raise StatediffError(f"cannot write bundle {out}: {e.strerror or e}") from None
         source = (len(hit.entries) + len(hit.digests), len(cold.entries) + len(cold.digests))
     return BundleResult(path=str(out), bytes=size, max_mb=max_mb, members=members, root=result.first,
-                        diagnosis=diag, kept=list(sel.kept), source_tensors=source, verified=verified, notes=notes)
+                        diagnosis=diag, kept=list(sel.kept), source_tensors=source, verified=verified, notes=notes,
+                        tensor_parallel=tp, rank_kept=rank_kept)
 
 
 def _selection(result: CompareResult, traces: dict[str, Trace], max_mb: float, neighbours: int,
@@ -366,8 +397,56 @@ def _write_traces(result: CompareResult, traces: dict[str, Trace], sel: Selectio
     return verified
 
 
+def _tp_field(ranked: Any, folder: str, notes: list[str]) -> dict | None:
+    """The manifest's ``tensor_parallel`` field of a set's bundle (None for a pair), and its note
+    (appended to ``notes``): which member holds which rank."""
+    if ranked is None:
+        return None
+    tp = {"world_size": ranked.world_size, "root_rank": ranked.root_rank,
+          "ranks": [{"rank": r, "hit": rank_member("hit", r), "cold": rank_member("cold", r)}
+                    for r in range(ranked.world_size) if r != ranked.root_rank]}
+    notes.append(f"tensor parallel: {folder}/hit.h5 and {folder}/cold.h5 hold rank {ranked.root_rank} "
+                 f"of {ranked.world_size} (the root rank: its first divergence comes first); "
+                 + ", ".join(f"{folder}/{x['hit']} and {folder}/{x['cold']}" for x in tp["ranks"])
+                 + " hold that rank's shards of the root tensor only")
+    return tp
+
+
+def _write_ranks(ranked: Any, root: tuple, d: Path, verified: list[str]) -> list[dict]:
+    """Write ``hit.rankR.h5``/``cold.rankR.h5`` into ``d`` for every rank R but the root rank: each
+    holds that rank's tensors at the root key (request, position, layer, kind; every role; digest rows
+    as digest rows) and every run and request record; their fingerprints are checked against the
+    originals (a line appended to ``verified``).
+
+    Returns:
+        the kept tensors, ``Kept.to_json()`` with ``rank``, rank order, hit side first.
+    Raises:
+        StatediffError: a rank's trace lacks the root key (the set's ranks do not hold the same tensors).
+    """
+    kept, n = [], 0
+    for r, paths in enumerate(ranked.paths):
+        if r == ranked.root_rank:
+            continue
+        for side, src in zip(("hit", "cold"), paths):
+            with open_trace(src) as t:
+                entries = [e for e in [*t.entries, *t.digests] if (e.request, e.position, e.layer, e.kind) == root]
+                if not entries:
+                    raise StatediffError(f"{src} (rank {r}) holds no tensor at the root (request {root[0]}, position "
+                                         f"{root[1]}, layer {root[2]}, {root[3]}): the ranks of the set do not "
+                                         "hold the same tensors")
+                extra = {"extracted_from": {"path": str(src), "partial": t.partial,
+                                            "tensors": len(t.entries) + len(t.digests), "kept": len(entries),
+                                            "root": list(root), "rank": r}}
+                written = _copy_trace(t, entries, d / rank_member(side, r), extra)
+            n += verify_fingerprints(written, d / rank_member(side, r))
+            kept += [Kept(side, e, "this rank's shard of the root tensor").to_json() | {"rank": r} for e in entries]
+    verified.append(f"fingerprints of {n} tensors of the other ranks' shards of the root equal the originals")
+    return kept
+
+
 def _write_members(result: CompareResult, sel: Selection, d: Path, folder: str, out: Path,
-                   options: CompareOptions, notes: list[str], plot: bool) -> str | None:
+                   options: CompareOptions, notes: list[str], plot: bool, tp: dict | None = None,
+                   rank_kept: Sequence[dict] = ()) -> str | None:
     """Write ``heatmap.png`` (when asked and possible; else a note), ``replay.jsonl``, ``report.md``
     and ``manifest.json`` into ``d``. Returns the root's diagnosis line (None: none)."""
     if not plot:
@@ -387,15 +466,18 @@ def _write_members(result: CompareResult, sel: Selection, d: Path, folder: str, 
     noise = options.noise is not None
     noise_name = "noise.json" if noise else None
     members = {name: {"bytes": (d / name).stat().st_size, "sha256": sha256_file(d / name)}
-               for name in MEMBERS if name != "manifest.json" and (d / name).exists()}
-    manifest = {"format": FORMAT, "version": VERSION, "folder": folder, "members": members,
+               for name in _member_names(tp) if name != "manifest.json" and (d / name).exists()}
+    root_rank = {} if tp is None else {"rank": tp["root_rank"]}
+    manifest = {"format": FORMAT, "version": VERSION if tp is not None else 2, "folder": folder, "members": members,
                 "root": list(sel.root), "diagnosis": diag,
                 "compare_options": options.argv(noise_name and f"{folder}/noise.json"),
                 "tol": list(options.tol), "noise": noise_name,
                 "noise_factor": options.factor if noise else None,
                 **{flag: getattr(options, flag) for flag in CompareOptions.FLAGS},
                 "sources": {"hit": result.hit.path, "cold": result.cold.path},
-                "kept": [k.to_json() for k in sel.kept], "notes": notes}
+                "kept": [k.to_json() | root_rank for k in sel.kept] + list(rank_kept), "notes": notes}
+    if tp is not None:
+        manifest["tensor_parallel"] = tp
     (d / "manifest.json").write_text(json.dumps(jsonable(manifest), indent=1) + "\n", encoding="utf-8")
     return diag
 
@@ -437,10 +519,17 @@ def _check_same(full: CompareResult, part: CompareResult) -> None:
                              f"from the full pair's {diag(full)}")
 
 
+def _member_names(tp: dict | None) -> list[str]:
+    """Every member a bundle may hold: ``MEMBERS``, then a tensor-parallel bundle's rank traces."""
+    ranks = [x[side] for x in (tp or {}).get("ranks", []) for side in ("hit", "cold")]
+    return [*MEMBERS[:2], *ranks, *MEMBERS[2:]]
+
+
 def _write_zip(path: Path, d: Path, folder: str) -> list[tuple[str, int]]:
     members = []
+    tp = json.loads((d / "manifest.json").read_text(encoding="utf-8")).get("tensor_parallel")
     with zipfile.ZipFile(path, "w") as z:
-        for name in MEMBERS:
+        for name in _member_names(tp):
             f = d / name
             if not f.exists():
                 continue
@@ -452,7 +541,7 @@ def _write_zip(path: Path, d: Path, folder: str) -> list[tuple[str, int]]:
 
 
 def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOptions(),
-                   **kw: Any) -> CompareResult:
+                   **kw: Any) -> Any:
     """``compare`` the two traces of a bundle, with the bundle's own options unless given.
 
     ``options.tol``, ``options.noise`` and ``options.noise_factor`` default
@@ -464,6 +553,10 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
     A bundle holds only the tensors around its root (a subset of the traces): ``--tol``,
     ``--noise`` or ``--noise-factor`` other than the bundle's own would judge tensors it does not
     hold, and are refused.
+
+    A tensor-parallel bundle returns a ``statediff.diff.ranks.RankedResult``: each rank's pair
+    compared (the root rank's ``hit.h5``/``cold.h5``, every other rank's shards of the root), whose
+    root rank must be the manifest's.
 
     Raises:
         StatediffError: not a readable bundle; options that change the root; as ``compare`` otherwise.
@@ -500,6 +593,7 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
         used = CompareOptions(tol=tuple(tol), noise=noise, noise_factor=factor, **flags)
         result = compare(b.hit, b.cold, **used.kwargs(), **kw)
         _check_root(b, result)
+        others = {r: compare(h, c, **used.kwargs(), **kw) for r, (h, c) in b.ranks.items()}
         # the traces were unpacked to a temporary directory: name them by the zip instead
         warnings = []
         for w in result.warnings:
@@ -508,9 +602,23 @@ def compare_bundle(path: str | os.PathLike, options: CompareOptions = CompareOpt
                 w = w.replace(f"'statediff verify {b.name(n)}'", f"'statediff verify {b.path}'")
             warnings.append(w)
         policy = rename(result.policy, b.hit.parent, b)  # "noise file <tmp>/noise.json (...)"
-    return dataclasses.replace(
+    result = dataclasses.replace(
         result, hit=dataclasses.replace(result.hit, path=b.name("hit.h5")),
         cold=dataclasses.replace(result.cold, path=b.name("cold.h5")), warnings=warnings, policy=policy)
+    if not others:
+        return result
+    from statediff.diff.ranks import RankedResult, _root_rank
+
+    n = b.manifest["tensor_parallel"]["world_size"]
+    names = {r: (rank_member("hit", r), rank_member("cold", r)) for r in others} | {b.root_rank: ("hit.h5", "cold.h5")}
+    results = [result if r == b.root_rank else others[r] for r in range(n)]
+    root_rank = _root_rank(results)
+    if root_rank != b.root_rank:
+        raise StatediffError(f"bundle {b.path}: its ranks' first divergences put the root at rank {root_rank}, but "
+                             f"its manifest names rank {b.root_rank}: the bundle is not what 'statediff extract' "
+                             f"checked (run 'statediff verify {b.path}')")
+    return RankedResult(n, [(Path(b.name(names[r][0])), Path(b.name(names[r][1]))) for r in range(n)], results,
+                        root_rank)
 
 
 def _check_root(b: Bundle, result: CompareResult) -> None:

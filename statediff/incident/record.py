@@ -420,7 +420,7 @@ def _title(result: CompareResult) -> str:
     return title
 
 
-def build_report(result: CompareResult, options: CompareOptions = CompareOptions(), *,
+def build_report(result: Any, options: CompareOptions = CompareOptions(), *,
                  bundle: str | None = None, bundle_lines: Sequence[str] = (),
                  replay_file: str | None = None) -> IncidentReport:
     """The incident record of ``result`` (no I/O: every value comes from the result's trace sides).
@@ -433,9 +433,20 @@ def build_report(result: CompareResult, options: CompareOptions = CompareOptions
         bundle_lines: Markdown lines describing what the bundle keeps.
         replay_file: the bundle's replay file (adds reproduce lines that use it).
 
+    A ``statediff.diff.ranks.RankedResult`` (two tensor-parallel sets) gives the record of its root
+    rank's comparison, the title naming that rank and the compare section every rank's.
+
     Returns:
         the record; ``exit_code`` is the comparison's.
     """
+    from statediff.diff.ranks import RankedResult
+
+    if isinstance(result, RankedResult):
+        rep = build_report(result.root, options, bundle=bundle, bundle_lines=bundle_lines, replay_file=replay_file)
+        where = (f"rank {result.root_rank} of {result.world_size}" if result.root_rank is not None
+                 else f"every rank of {result.world_size}")
+        return dataclasses.replace(rep, title=f"{rep.title} (tensor parallel: {where})",
+                                   compare_text=result.to_text(), exit_code=result.exit_code)
     sides = _Sides.of(result)
     first = result.first
     no_data = first is not None and not all(first.data)

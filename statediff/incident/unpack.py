@@ -22,6 +22,12 @@ line naming ``BUNDLE.zip:member``, at the first failure:
    root (request, position, layer, tensor kind) is a tensor of both, and
    each trace holds exactly the tensors the manifest lists as kept for it.
 
+A bundle of a tensor-parallel set (version 3, manifest field ``tensor_parallel``) also holds
+``hit.rankR.h5`` and ``cold.rankR.h5`` for every rank R but the root's (whose shards are
+``hit.h5`` and ``cold.h5``): step 3 allows exactly those names, step 4 unpacks them, and step 5
+requires each to hold exactly the tensors the manifest lists for its rank and side, the root
+among them.
+
 ``strict=False`` (``statediff verify``) collects hash and size
 disagreements in ``Bundle.damaged`` instead of refusing (verify reports
 them as damage, exit 1) and then skips the root check.
@@ -50,9 +56,44 @@ from statediff.errors import StatediffError, first_line
 from statediff.textsafe import clean_strings
 
 FORMAT = "statediff.bundle"
-VERSION = 2  # 2: the manifest lists every member's size and SHA-256
+VERSION = 3  # 2: the manifest lists every member's size and SHA-256; 3: the ranks of a tensor-parallel set
 MIN_VERSION = 2  # version 1 bundles list no member hashes: they cannot be checked
 MEMBERS = ("hit.h5", "cold.h5", "report.md", "heatmap.png", "replay.jsonl", "noise.json", "manifest.json")
+MAX_RANKS = 4096  # a tensor-parallel bundle's world size, at most
+
+
+def rank_member(side: str, rank: int) -> str:
+    """The member holding rank ``rank``'s shards on ``side`` ("hit"/"cold") in a tensor-parallel
+    bundle (the root rank's are ``hit.h5`` and ``cold.h5``)."""
+    return f"{side}.rank{rank}.h5"
+
+
+def tensor_parallel(p: Path, manifest: dict) -> dict | None:
+    """The manifest's ``tensor_parallel`` field, validated, or None (not a tensor-parallel bundle):
+    ``{"world_size": N, "root_rank": R, "ranks": [{"rank": r, "hit": "hit.rank<r>.h5", "cold": ...},
+    ...]}`` listing every rank but R once, in rank order.
+
+    Raises:
+        StatediffError: a malformed field, or one in a version 2 manifest.
+    """
+    tp = manifest.get("tensor_parallel")
+    if tp is None:
+        return None
+
+    def whole(x: Any, lo: int, hi: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
+
+    n = tp.get("world_size") if isinstance(tp, dict) else None
+    ok = (manifest.get("version", 0) >= 3 and whole(n, 2, MAX_RANKS) and whole(tp.get("root_rank"), 0, n - 1)
+          and isinstance(tp.get("ranks"), list))
+    if ok:
+        want = [{"rank": r, "hit": rank_member("hit", r), "cold": rank_member("cold", r)}
+                for r in range(n) if r != tp["root_rank"]]
+        ok = tp["ranks"] == want
+    if not ok:
+        raise StatediffError(f"bundle {p}: its manifest's tensor_parallel field is malformed (version 3: world_size, "
+                             "root_rank and one hit.rankR.h5/cold.rankR.h5 pair for every other rank, in rank order)")
+    return tp
 MAX_BUNDLE_BYTES = 1 << 30  # STATEDIFF_BUNDLE_MAX_BYTES overrides it (max_bundle_bytes)
 
 
@@ -92,6 +133,8 @@ class Bundle:
         manifest: the parsed manifest.
         members: name -> {"bytes": int, "sha256": str}, from the manifest.
         damaged: members whose size or hash disagrees with the manifest (``strict=False`` only).
+        ranks: a tensor-parallel bundle's other ranks: rank -> (hit, cold) unpacked traces holding
+            that rank's shards of the root (empty otherwise); ``root_rank``: the rank of ``hit``/``cold``.
     """
 
     path: str
@@ -102,6 +145,8 @@ class Bundle:
     manifest: dict
     members: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     damaged: tuple[str, ...] = ()
+    ranks: dict[int, tuple[Path, Path]] = dataclasses.field(default_factory=dict)
+    root_rank: int | None = None
 
     def name(self, member: str) -> str:
         """``BUNDLE.zip:folder/member``: how a member is named to the user."""
@@ -220,15 +265,17 @@ def member_table(p: Path, folder: str, manifest: dict) -> dict[str, dict[str, An
     table = manifest.get("members")
     if not isinstance(table, dict):
         raise StatediffError(f"bundle {p}: {p}:{folder}/manifest.json has no member table (\"members\")")
+    tp = tensor_parallel(p, manifest)
+    rank_names = {x[side] for x in (tp or {}).get("ranks", []) for side in ("hit", "cold")}
     for name, m in table.items():
-        if name not in MEMBERS or name == "manifest.json":
+        if (name not in MEMBERS and name not in rank_names) or name == "manifest.json":
             raise StatediffError(f"bundle {p}: its manifest lists an unknown member {name!r}")
         if not (isinstance(m, dict) and isinstance(m.get("bytes"), int) and not isinstance(m["bytes"], bool)
                 and m["bytes"] >= 0 and isinstance(m.get("sha256"), str)
                 and re.fullmatch(r"[0-9a-f]{64}", m["sha256"])):
             raise StatediffError(f"bundle {p}: its manifest's entry for {folder}/{name} is not "
                                  "{\"bytes\": N, \"sha256\": HEX}")
-    for name in ("hit.h5", "cold.h5"):
+    for name in ("hit.h5", "cold.h5", *sorted(rank_names)):
         if name not in table:
             raise StatediffError(f"bundle {p}: its manifest lists no {folder}/{name}")
     if bool(manifest.get("noise")) != ("noise.json" in table):
@@ -278,7 +325,10 @@ def _check_root(b: Bundle) -> None:
                              "[request, position, layer, kind]")
     key = tuple(root)
     kept = b.manifest.get("kept")
-    for side, path in (("hit", b.hit), ("cold", b.cold)):
+    members = [(side, None, side + ".h5", path) for side, path in (("hit", b.hit), ("cold", b.cold))]
+    members += [(side, r, rank_member(side, r), path) for r, pair in sorted(b.ranks.items())
+                for side, path in zip(("hit", "cold"), pair)]
+    for side, rank, name, path in members:
         with open_trace(path) as t:
             held = {(e.request, e.position, e.layer, e.kind, e.role) for e in [*t.entries, *t.digests]}
         if not (isinstance(kept, list) and all(isinstance(k, dict) for k in kept)):
@@ -286,12 +336,14 @@ def _check_root(b: Bundle) -> None:
         if not any(h[:4] == key for h in held):
             raise StatediffError(
                 f"bundle {b.path}: its manifest's root (request {key[0]}, position {key[1]}, layer {key[2]}, "
-                f"{key[3]}) is not in {b.name(side + '.h5')}: the bundle is not what 'statediff extract' wrote")
+                f"{key[3]}) is not in {b.name(name)}: the bundle is not what 'statediff extract' wrote")
+        # the root rank's kept tensors carry its rank (or none, before version 3); another rank's, that rank
+        mine = (None, b.root_rank) if rank is None else (rank,)
         listed = {(k.get("request"), k.get("position"), k.get("layer"), k.get("kind"), k.get("role"))
-                  for k in kept if k.get("side") == side}
+                  for k in kept if k.get("side") == side and k.get("rank") in mine}
         if held != listed:
             raise StatediffError(
-                f"bundle {b.path}: {b.name(side + '.h5')} holds {len(held - listed)} tensor(s) its manifest does "
+                f"bundle {b.path}: {b.name(name)} holds {len(held - listed)} tensor(s) its manifest does "
                 f"not list as kept and lacks {len(listed - held)} it lists: the bundle is not what "
                 "'statediff extract' wrote")
 
@@ -333,8 +385,9 @@ def open_bundle(path: str | os.PathLike, strict: bool = True) -> Iterator[Bundle
         d = Path(tmp) / _TMP_FOLDER
         d.mkdir()
         damaged = []
+        tp = tensor_parallel(p, manifest)
         for name, want in table.items():
-            dst = d / name if name in ("hit.h5", "cold.h5", "noise.json") else None
+            dst = d / name if name.endswith(".h5") or name == "noise.json" else None
             bad = _unpack(p, z, by_name[f"{folder}/{name}"], want, dst)
             if bad and strict:
                 raise StatediffError(f"{bad}: damaged or altered ('statediff verify {p}' lists what is "
@@ -342,7 +395,9 @@ def open_bundle(path: str | os.PathLike, strict: bool = True) -> Iterator[Bundle
             if bad:
                 damaged.append(bad)
         b = Bundle(str(p), folder, d / "hit.h5", d / "cold.h5", d / "noise.json" if "noise.json" in table else None,
-                   manifest, table, tuple(damaged))
+                   manifest, table, tuple(damaged),
+                   {x["rank"]: (d / x["hit"], d / x["cold"]) for x in tp["ranks"]} if tp else {},
+                   tp["root_rank"] if tp else None)
         try:
             if not damaged:
                 _check_root(b)

@@ -12,54 +12,8 @@ from click.testing import CliRunner
 
 from statediff.cli import cli
 from statediff.diff.ranks import merge_set
-from statediff.trace import TraceWriter, open_trace
-from synth import write_trace
-
-# synth: conv (3, 256) = q 64 | k 64 | v 128; ssm (2, 64, 64): 2 value heads; K/V (16, 2, 64): 2 heads on axis 1
-KD, VD = 64, 128
-
-
-def _layout(rank: int) -> dict:
-    parts, local, base = [], 0, 0
-    for name, dim in (("q", KD), ("k", KD), ("v", VD)):
-        per = dim // 2
-        parts.append({"name": name, "local": [local, local + per], "global": [base + rank * per, base + (rank + 1) * per]})
-        local, base = local + per, base + dim
-    heads = {"slice": [rank, rank + 1], "of": 2}
-    return {"gdn.conv_state": {"axis": 1, "parts": parts}, "gdn.ssm_state": {"axis": 0, **heads},
-            "attn.k": {"axis": 1, **heads}, "attn.v": {"axis": 1, **heads}}
-
-
-def _shard(kind: str, arr: np.ndarray, rank: int) -> np.ndarray:
-    lay = _layout(rank)[kind]
-    if kind == "gdn.conv_state":
-        return np.concatenate([arr[:, slice(*p["global"])] for p in lay["parts"]], axis=1)
-    idx = [slice(None)] * arr.ndim
-    idx[lay["axis"]] = slice(*lay["slice"])
-    return arr[tuple(idx)].copy()
-
-
-def _split(full: Path, out: Path) -> list[Path]:
-    """``full`` as a 2-rank set: rank 0 at ``out``, rank 1 beside it."""
-    paths = [out, out.with_name(f"{out.stem}.rank1.h5")]
-    with open_trace(full) as t:
-        for rank, p in enumerate(paths):
-            run = dict(t.run) | {"tensor_parallel": {"rank": rank, "world_size": 2, "traces": [q.name for q in paths],
-                                                     "shards": _layout(rank)}}
-            w = TraceWriter(p, run, threads=0)
-            for i in sorted(t.requests):
-                rec = dict(t.requests[i])
-                prompt, outs = rec.pop("prompt_token_ids", None) or [], rec.pop("output_token_ids", None) or []
-                rid = rec.pop("request_id", None)
-                rec.pop("index", None)
-                w.begin_request(i, rid, prompt, output_token_ids=outs, **rec)
-            for e in t.entries:
-                w.add(_shard(e.kind, t.read(e), rank), request=e.request, position=e.position, layer=e.layer,
-                      kind=e.kind, role=e.role, module=e.module, dtype=e.dtype, token_start=e.token_start,
-                      step=e.step, block=e.block)
-            w.end_step()
-            w.close()
-    return paths
+from statediff.trace import open_trace
+from synth import split_ranks as _split, write_trace
 
 
 def test_the_merged_set_holds_the_unsharded_tensors_bit_for_bit(tmp_path):
@@ -94,3 +48,12 @@ def test_a_set_against_a_single_trace_needs_allow_engine_mismatch_then_is_judged
     assert r.exit_code == 0, r.output
     assert out["verdict"] == "same" and not out["tolerance_policy"].startswith("exact")
     assert out["warnings"][0].startswith(f"tensor parallel: the hit side is {set0} (2 ranks), unsharded")
+
+
+def test_a_rank_trace_left_as_parts_is_present(tmp_path):
+    """vllm serve's process manager kills the workers at shutdown: their traces stay ``.parts``
+    directories (partial traces), which compare and inspect read as the rank's trace."""
+    from statediff.diff.ranks import exists
+
+    (tmp_path / "served.rank1.h5.parts").mkdir()
+    assert exists(tmp_path / "served.rank1.h5") and not exists(tmp_path / "served.rank2.h5")

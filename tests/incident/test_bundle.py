@@ -207,7 +207,7 @@ def test_hostile_bundles_are_refused(tmp_path):
     with pytest.raises(StatediffError, match="manifest.json is not valid JSON"):
         with open_bundle(bundle("a.zip", "{", {})):
             pass
-    with pytest.raises(StatediffError, match="has version 99; this statediff reads up to 2"):
+    with pytest.raises(StatediffError, match="has version 99; this statediff reads up to 3"):
         with open_bundle(bundle("b.zip", ok | {"version": 99}, {})):
             pass
     with pytest.raises(StatediffError, match="has no member table"):

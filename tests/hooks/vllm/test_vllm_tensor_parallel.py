@@ -3,7 +3,9 @@ compare names the rank of a fault planted in one rank's shard.
 
 Three TP=2 recordings in all (each a minute or more of CI), shared through one module fixture:
 a fault-free exact hit run, its cold run, and a hit run with ``kv-stale`` planted on rank 1 only;
-and one TP=1 hit run of the same weights.
+and one TP=1 hit run of the same weights. A second module fixture records every other restore
+fault ``record --fault`` offers (the GDN faults and ``kv-swap``), each on one rank only
+(alternating rank 0 and rank 1), five TP=2 hit runs in one subprocess, against the same cold set.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PIN, require_engine, run_cli
+from conftest import PIN, require_engine, run_cli, run_records
 
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
@@ -100,3 +102,53 @@ def test_tp2_against_tp1_of_the_same_weights_is_judged_on_unsharded_tensors_by_t
     assert out["pairs"] == 64 and out["divergent"] == 0  # every tensor with data at the hit boundaries
     assert out["warnings"][0].startswith(f"tensor parallel: the hit side is {tp_traces['hit']} (2 ranks), unsharded")
     assert "64 tensors merged, 170 left out" in out["warnings"][0]
+
+
+# fault -> (the rank it is planted on, root (request, position, layer, kind), what the TP=1 test asserts
+# of it (test_vllm_compare.py), with this run's block size of 64: the same text)
+RESTORE_FAULTS = {
+    "ssm-wrong-block:layer=1:rank=0": (0, (1, 448, 1, "gdn.ssm_state"),
+                                       "matches the cold state one block earlier (position 384, 64 tokens), bit for bit"),
+    "conv-zero:layer=0:rank=1": (1, (1, 448, 0, "gdn.conv_state"), "all zeros"),
+    "ssm-bf16:layer=2:rank=0": (0, (1, 448, 2, "gdn.ssm_state"), "matches the cold state rounded to bfloat16"),
+    "ssm-nan:layer=1:rank=1": (1, (1, 448, 1, "gdn.ssm_state"), None),  # NaN: asserted by its metrics
+    # blocks 5 and 6 (of 64 tokens) exchanged: the digest-only block 5 is the first to differ
+    "kv-swap:rank=0": (0, (1, 384, 3, "attn.k"),
+                       "matches the cold KV block one block later (position 448, 64 tokens), bit for bit"),
+}
+
+
+@pytest.fixture(scope="module")
+def fault_traces(tp_traces) -> dict[str, Path]:
+    """One TP=2 exact hit run per restore fault, planted on one rank; all in one subprocess."""
+    root = tp_traces["cold"].parent
+    out = {f: root / f"hit-{f.split(':')[0]}.h5" for f in RESTORE_FAULTS}
+    jobs = [["record", "--model", "tiny-tp", "--exact", "--enforce-eager", "--mode", "hit", "-o", str(path),
+             "--no-progress", *PIN, "--tensor-parallel-size", "2", "--block-size", "32", "--fault", f]
+            for f, path in out.items()]
+    codes, err = run_records(jobs, timeout=2400)
+    assert codes == [0] * len(jobs), err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("fault", list(RESTORE_FAULTS))
+def test_every_restore_fault_on_one_rank_is_named_with_that_rank_and_the_tp1_diagnosis(fault_traces, tp_traces,
+                                                                                      fault):
+    rank, root, finding = RESTORE_FAULTS[fault]
+    r = run_cli("compare", str(fault_traces[fault]), str(tp_traces["cold"]), "--json")
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    first = out["first"]
+    assert out["tensor_parallel"]["root_rank"] == rank and first["rank"] == rank
+    assert (first["request"], first["position"], first["layer"], first["kind"]) == root
+    assert first["role_hit"] == "resumed" and first["root"] is True
+    assert len(out["roots"]) == 1  # within the root rank, everything after it is propagated
+    assert out["headline"].startswith(f"DIVERGED: first divergence at rank {rank} of 2, request 1, "
+                                      f"position {root[1]}, layer {root[2]} ")
+    if finding is not None:
+        assert finding in out["diagnosis"]["text"]
+    else:
+        assert first["metrics"]["n_nonfinite"] == 1
+        assert first["metrics"]["first_nonfinite"] == [1, 0, 0]  # flat element 4096 of the shard (2, 64, 64)
+    other = out["ranks"][1 - rank]["first"]  # the other rank restored correctly: wrong only later, if at all
+    assert other is None or (other["request"], other["position"], other["layer"]) > root[:3]
