@@ -52,7 +52,8 @@ removes the base's): ``model``, ``conversation``, ``replay``,
 (list of ``compare --tol`` rules), ``noise`` (a noise file) and ``python``
 (the interpreter, or a venv directory, that records the variant: another
 installed engine version, e.g. ``python = "/work/venvs/vllm-0.29"``; default
-the one running ``ablate``). Relative paths are relative to the matrix file.
+the one running ``ablate``). Relative paths (the conversation, the model, a
+``speculative_config`` drafter ``model``) are relative to the matrix file.
 
 Engine version as an axis: variants that differ only in ``python`` give one
 row per engine version (the table's ``engine`` column names each, read from
@@ -401,7 +402,11 @@ def variant_argv(settings: dict, mode: str, out: Path, root: Path, *, hit_trace:
     for k, v in (s.get("engine_args") or {}).items():
         words += ["--engine-arg", f"{k}={json.dumps(v)}"]
     if s.get("speculative_config"):
-        words += ["--speculative-config", json.dumps(s["speculative_config"])]
+        spec = dict(s["speculative_config"])
+        drafter = spec.get("model")
+        if isinstance(drafter, str) and not Path(drafter).is_absolute() and (root / drafter).exists():
+            spec["model"] = str(root / drafter)  # a drafter directory beside the matrix file
+        words += ["--speculative-config", json.dumps(spec)]
     run_mode = "cold" if s.get("forced_miss") else mode
     if s.get("fault") and run_mode == "hit":  # a planted fault fires on cache hits only
         words += ["--fault", s["fault"]]

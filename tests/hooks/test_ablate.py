@@ -91,6 +91,13 @@ def test_relative_paths_are_relative_to_the_matrix(tmp_path):
                                     '[[variant]]\nname = "a"\n'))
     argv = variant_argv(m.variants[0].settings, "hit", Path("h.h5"), tmp_path)
     assert argv[1] == str(tmp_path / "conv.jsonl") and argv[2:4] == ["--model", str(tmp_path / "model")]
+    (tmp_path / "eagle3").mkdir()
+    m = load_matrix(write(tmp_path, '[base]\nspeculative_config = { method = "eagle3", model = "eagle3" }\n'
+                                    '[[variant]]\nname = "a"\n[[variant]]\nname = "b"\n'
+                                    'speculative_config = { method = "eagle3", model = "hub/id" }\n'))
+    specs = [json.loads(argv[argv.index("--speculative-config") + 1])["model"] for argv in
+             (variant_argv(v.settings, "hit", Path("h.h5"), tmp_path) for v in m.variants)]
+    assert specs == [str(tmp_path / "eagle3"), "hub/id"]  # a drafter beside the matrix; a hub id left alone
 
 
 @pytest.mark.parametrize("text,message", [
