@@ -428,6 +428,8 @@ class Row:
         hits: prefix-cache hit tokens per request in the hit run, if it was recorded.
         traces: (hit, cold) trace paths.
         engine: the hit run's engine and version ("vllm 0.29.0"), if it was recorded.
+        acceptance: (accepted, drafted) speculative tokens over the hit run's requests (their
+            ``acceptance`` fields), None without a drafter.
     """
 
     index: int
@@ -443,6 +445,7 @@ class Row:
     seconds: float = 0.0
     engine: str | None = None
     format: str | None = None  # the hit trace's target_format
+    acceptance: tuple[int, int] | None = None
 
     @property
     def detail(self) -> str:
@@ -464,7 +467,7 @@ class Row:
                 "root_key": list(self.root_key) if self.root_key else None, "diagnosis": self.diagnosis,
                 "error": self.error, "hits": self.hits, "traces": list(self.traces) if self.traces else None,
                 "seconds": round(self.seconds, 1), "engine": self.engine,
-                "format": self.format}
+                "format": self.format, "acceptance": list(self.acceptance) if self.acceptance else None}
 
 
 @dataclasses.dataclass
@@ -484,18 +487,25 @@ class AblationResult:
         """The table has a format column: some row's variant sets ``format``."""
         return any(r.variant.settings.get("format") is not None for r in self.rows)
 
+    def _drafters(self) -> bool:
+        """The table has an acceptance column: some row's variant runs a drafter."""
+        return any(r.variant.settings.get("speculative_config") for r in self.rows)
+
     def _cells(self) -> list[list[str]]:
-        fmt = self._formats()
+        fmt, spec = self._formats(), self._drafters()
         return [[str(r.index), r.variant.name, r.variant.changes, r.engine or "-"]
                 + ([r.format or r.variant.settings.get("format") or "-"] if fmt else [])
-                + ["-" if r.hits is None else json.dumps(r.hits), r.status, r.variant.expect.upper(),
-                   "ok" if r.matched else "UNEXPECTED", r.detail] for r in self.rows]
+                + ["-" if r.hits is None else json.dumps(r.hits)]
+                + ([acceptance_text(r.acceptance)] if spec else [])
+                + [r.status, r.variant.expect.upper(), "ok" if r.matched else "UNEXPECTED", r.detail]
+                for r in self.rows]
 
     HEAD = ["#", "variant", "changes", "engine", "hit tokens per request", "result", "expected", "",
             "root divergence"]
 
     def _head(self) -> list[str]:
-        return self.HEAD[:4] + ["format"] + self.HEAD[4:] if self._formats() else list(self.HEAD)
+        return (self.HEAD[:4] + (["format"] if self._formats() else []) + self.HEAD[4:5]
+                + (["accepted / drafted (hit run)"] if self._drafters() else []) + self.HEAD[5:])
 
     def summary(self) -> str:
         bad = [r for r in self.rows if not r.matched]
@@ -532,6 +542,22 @@ class AblationResult:
         return {"statediff": "ablate", "title": self.title, "matrix": self.matrix,
                 "exit_code": self.exit_code, "rows": [r.to_json() for r in self.rows],
                 "work_dir": self.work_dir}
+
+
+def hit_acceptance(fields: list) -> tuple[int, int] | None:
+    """(accepted, drafted) speculative tokens summed over requests' ``acceptance`` fields
+    (``num_accepted_tokens``, ``num_draft_tokens``); None when no request has one."""
+    got = [a for a in fields if isinstance(a, dict) and isinstance(a.get("num_draft_tokens"), int)]
+    if not got:
+        return None
+    return (sum(int(a.get("num_accepted_tokens") or 0) for a in got), sum(int(a["num_draft_tokens"]) for a in got))
+
+
+def acceptance_text(acc: tuple[int, int] | None) -> str:
+    """``50/93 (54%)``, or ``-`` without a drafter."""
+    if acc is None:
+        return "-"
+    return f"{acc[0]}/{acc[1]} ({100 * acc[0] / acc[1]:.0f}%)" if acc[1] else f"{acc[0]}/0"
 
 
 def _error_line(stderr: str) -> str:
@@ -605,6 +631,7 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
             row.hits = [t.requests[i].get("num_cached_tokens") for i in sorted(t.requests)]
             row.engine = " ".join(str(t.run[k]) for k in ("engine", "engine_version") if t.run.get(k)) or None
             row.format = t.run.get("target_format") if isinstance(t.run.get("target_format"), str) else None
+            row.acceptance = hit_acceptance([t.requests[i].get("acceptance") for i in sorted(t.requests)])
         noise = v.settings.get("noise")
         result = compare(hit, cold, tol=v.settings.get("tol") or (),
                          noise=_local(noise, root) if noise else None)

@@ -130,10 +130,19 @@ def test_missing_matrix_file(tmp_path):
     assert r.exit_code == 2 and r.stderr.startswith(f"statediff: error: cannot read matrix file {tmp_path}")
 
 
+def test_hit_acceptance_sums_the_requests_acceptance_fields():
+    from statediff_hooks.drivers.ablate import acceptance_text, hit_acceptance
+
+    fields = [{"num_accepted_tokens": 12, "num_draft_tokens": 12}, None,
+              {"num_accepted_tokens": 9, "num_draft_tokens": 18}]
+    assert hit_acceptance(fields) == (21, 30) and acceptance_text((21, 30)) == "21/30 (70%)"
+    assert hit_acceptance([None, {}]) is None and acceptance_text(None) == "-"
+
+
 def test_table_and_exit_code(tmp_path):
     m = load_matrix(write(tmp_path, GOOD))
     base, fault, miss = m.variants
-    rows = [Row(1, base, "PASS", True, hits=[0, 32], engine="vllm 0.32.0"),
+    rows = [Row(1, base, "PASS", True, hits=[0, 32], engine="vllm 0.32.0", acceptance=(50, 93)),
             Row(2, fault, "FAIL", True, root="request 4, position 64, layer 1 (m), gdn.ssm_state",
                 root_key=(4, 64, 1, "gdn.ssm_state"), diagnosis="diagnosis: zeros", hits=[0, 32]),
             Row(3, miss, "ERROR", False, error="hit run: the engine failed to start: TypeError: x")]
@@ -141,17 +150,18 @@ def test_table_and_exit_code(tmp_path):
     assert res.exit_code == 1
     text = res.to_text().splitlines()
     assert text[0] == "ablation: t (m.toml)"
-    assert text[1].split() == ["#", "variant", "changes", "engine", "hit", "tokens", "per", "request", "result",
-                               "expected", "root", "divergence"]
+    assert text[1].split() == ["#", "variant", "changes", "engine", "hit", "tokens", "per", "request", "accepted",
+                               "/", "drafted", "(hit", "run)", "result", "expected", "root", "divergence"]
+    assert text[2].split()[-7:] == ["50/93", "(54%)", "PASS", "PASS", "ok", "no", "divergence"]  # accepted / drafted
     assert text[2].split()[:7] == ["1", "base", "base", "vllm", "0.32.0", "[0,", "32]", "PASS"][:7]
     assert text[3].endswith("FAIL    FAIL      ok          root: request 4, position 64, layer 1 (m), "
                             "gdn.ssm_state; diagnosis: zeros")
     assert text[4].endswith("ERROR   PASS      UNEXPECTED  error: hit run: the engine failed to start: TypeError: x")
     assert text[5] == "3 variants: 1 PASS, 1 FAIL, 1 ERROR; 1 not as expected: miss"
     md = res.to_markdown().splitlines()
-    assert md[2] == ("| # | variant | changes | engine | hit tokens per request | result | expected | as expected | "
-                     "root divergence |")
-    assert md[5] == "| 2 | fault | fault=ssm-wrong-block:layer=1 | - | [0, 32] | FAIL | FAIL | ok | " \
+    assert md[2] == ("| # | variant | changes | engine | hit tokens per request | accepted / drafted (hit run) | "
+                     "result | expected | as expected | root divergence |")
+    assert md[5] == "| 2 | fault | fault=ssm-wrong-block:layer=1 | - | [0, 32] | - | FAIL | FAIL | ok | " \
                     "root: request 4, position 64, layer 1 (m), gdn.ssm_state; diagnosis: zeros |"
     rows[2].matched = True
     assert res.exit_code == 0
@@ -399,7 +409,8 @@ def test_format_column_and_a_format_the_model_lacks_is_an_error_row(tmp_path):
     assert lines[3].split()[:8] == ["2", "base", "/", "none", "/", "hit", "/", "FP8"]
     assert lines[3].split()[9:12] == ["vllm", "0.32.0", "fp8"]
     md = res.to_markdown().splitlines()
-    assert md[2].startswith("| # | variant | changes | engine | format | hit tokens per request | result |")
+    assert md[2].startswith("| # | variant | changes | engine | format | hit tokens per request | "
+                            "accepted / drafted (hit run) | result |")
     assert md[5].startswith("| 2 | base / none / hit / FP8 | format=fp8 | vllm 0.32.0 | fp8 | ")
     assert res.to_json()["rows"][2]["format"] == "nvfp4"
     # a model without builds in that format: an ERROR row naming it, the matrix goes on
