@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from statediff.errors import StatediffError
@@ -445,7 +446,40 @@ def engine_arguments(options: RecordingOptions, model_dir: str, max_model_len: i
     spec = parse_speculative_config(o.speculative_config, o.seed)
     if spec is not None:
         kw["speculative_config"] = spec
-    return kw | tensor_parallel_arguments(o, extra)
+    tp = tensor_parallel_arguments(o, extra)
+    if tp:
+        check_model_splits(model_dir, tp["tensor_parallel_size"])
+    return kw | tp
+
+
+#: config.json head/expert counts vLLM splits across tensor-parallel ranks (Qwen3-Next names).
+SPLIT_COUNTS = ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads")
+
+
+def check_model_splits(model_dir: str, n: int) -> None:
+    """Refuse, before the engine starts, a local model whose heads or routed experts cannot be
+    split across ``n`` tensor-parallel ranks (vLLM would fail each worker at load, e.g.
+    "Tensor parallel size 2 is greater than the number of experts 1"). A hub id or a
+    config.json that cannot be read is left to the engine.
+
+    Raises:
+        StatediffError: one line naming the count and ``--model tiny-tp``.
+    """
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(cfg, dict):
+        return
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    counts = {k: cfg[k] for k in SPLIT_COUNTS if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)}
+    bad = [f"{k} = {v}" for k, v in counts.items() if v % n]
+    experts = cfg.get("num_experts")
+    if isinstance(experts, int) and 0 < experts < n:
+        bad.append(f"num_experts = {experts}")
+    if bad:
+        raise StatediffError(f"--tensor-parallel-size {n}: {model_dir} cannot be split across {n} ranks "
+                             f"({', '.join(bad)}); the built-in model for it is --model tiny-tp")
 
 
 def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:

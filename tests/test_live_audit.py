@@ -116,6 +116,18 @@ def test_configuration(tmp_path):
     assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": "i.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "0"}).prompts is False
 
 
+def test_an_incident_file_that_is_not_a_regular_writable_file_is_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "incidents.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError) as e:
+        LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": str(fifo)})
+    assert str(e.value) == f"STATEDIFF_LIVE_AUDIT={fifo}: not a regular file (name a file to append incidents to)"
+    with pytest.raises(ValueError, match="^STATEDIFF_LIVE_AUDIT=/dev/null: not a regular file"):
+        LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": "/dev/null"})
+
+
 def test_the_plugin_refuses_a_bad_value_in_one_line_before_the_engine(monkeypatch, capsys):
     from statediff_hooks.vllm import plugin
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -227,6 +229,26 @@ def _params_of(options: RecordingOptions) -> dict[str, Any]:
     return p | {"no_progress": not options.progress}
 
 
+def check_target_dir(target: str) -> None:
+    """Refuse a drafter's ``--target`` that is not a model directory: no ``config.json``, or one
+    that is not a JSON object with ``num_hidden_layers`` and ``hidden_size``.
+
+    Raises:
+        StatediffError: one line naming the directory.
+    """
+    cfg_path = Path(target) / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StatediffError(f"--target {target}: not a model directory (no config.json)") from None
+    except (OSError, ValueError) as e:
+        raise StatediffError(f"--target {target}: config.json cannot be read as JSON ({e})") from None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    if not (isinstance(cfg, dict) and all(isinstance(cfg.get(k), int) for k in ("num_hidden_layers", "hidden_size"))):
+        raise StatediffError(f"--target {target}: config.json is not a transformer model's "
+                             "(needs num_hidden_layers and hidden_size)")
+
+
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
@@ -249,6 +271,8 @@ def build_tiny_model_cmd(output, kind, target, seed, overwrite):
     """Write a built-in tiny model (random weights, offline tokenizer)."""
     if target and kind not in ("eagle3", "dflash"):
         raise StatediffError("--target is only for --kind eagle3 and --kind dflash")
+    if target:
+        check_target_dir(target)
     try:
         out = build_tiny(kind, output, seed, target=target, overwrite=overwrite)
     except (FileExistsError, FileNotFoundError, ValueError) as e:

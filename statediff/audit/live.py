@@ -72,7 +72,8 @@ class LiveConfig:
 
         Raises:
             ValueError: one line: ``STATEDIFF_LIVE_AUDIT_PROMPTS`` not 0 or 1, the incident
-                file's directory missing, the path a directory, or ``STATEDIFF_TRACE`` set too.
+                file's directory missing, the path a directory or another non-regular file
+                (FIFO, device), not writable, or ``STATEDIFF_TRACE`` set too.
         """
         env = os.environ if env is None else env
         path = env.get(LIVE_ENV) or ""
@@ -91,6 +92,10 @@ class LiveConfig:
             raise ValueError(f"{LIVE_ENV}={path}: is a directory (name a file to append incidents to)")
         if not parent.is_dir():
             raise ValueError(f"{LIVE_ENV}={path}: directory {parent} does not exist")
+        if p.exists() and not p.is_file():  # a FIFO would block the engine at the first incident
+            raise ValueError(f"{LIVE_ENV}={path}: not a regular file (name a file to append incidents to)")
+        if not os.access(p if p.exists() else parent, os.W_OK):
+            raise ValueError(f"{LIVE_ENV}={path}: cannot be written (permissions)")
         return cls(incidents=path, prompts=prompts == "1")
 
 

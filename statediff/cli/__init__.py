@@ -23,6 +23,7 @@ import click
 from statediff import __version__
 from statediff.errors import StatediffError
 
+from ..textsafe import one_line
 from . import plugins
 from .audit import audit_cmd
 from .calibrate import calibrate_cmd
@@ -38,7 +39,9 @@ _NoArgsIsHelp = getattr(click.exceptions, "NoArgsIsHelpError", None)
 
 
 def _error(message: str) -> None:
-    click.echo("statediff: error: " + " ".join(str(message).split()), err=True)
+    # one_line: an escape sequence in a file name (OSC: window title, hyperlink) is shown, not run;
+    # click only strips CSI colour codes, and only when stderr is not a terminal
+    click.echo("statediff: error: " + one_line(" ".join(str(message).split())), err=True)
 
 
 def _output_failed(e: OSError) -> None:

