@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from statediff.errors import StatediffError
+
 from statediff_hooks.check import CheckOptions, RecordFailed, run_check
 from statediff_hooks.cli.record import engine_side_needed, options_from_params, record
 
@@ -29,8 +31,10 @@ NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "sp
               help="One block per step in both runs, instead of the split form (the hit run with the "
                    "engine's own chunking, the cold run split where the hit run's state was computed).")
 @click.option("--overwrite", is_flag=True, help="Replace the check files of an existing DIR.")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=int, default=None, hidden=True)
 @click.pass_context
-def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, **params: Any) -> None:
+def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, tensor_parallel_size: int | None,
+          **params: Any) -> None:
     """Replay CONVERSATION (JSONL; default: the built-in 5-request agent
     conversation) twice on fresh vLLM engines and compare: the hit run with the
     engine's own chunking (as deployed), the cold run shaped like it (the split
@@ -56,6 +60,9 @@ def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, **p
     Exit codes: 0 the audit is clean and compare finds no divergence, 1 either
     finds one, 2 error.
     """
+    if tensor_parallel_size is not None and tensor_parallel_size != 1:  # taken only to say why not
+        raise StatediffError("check takes no --tensor-parallel-size: it audits and compares one trace per run; "
+                             "record each run with 'statediff record --tensor-parallel-size N' and compare the sets")
     base = options_from_params({**params, "output": "", "mode": "hit"})
     options = CheckOptions(output_dir=output_dir, base=base, exact=exact, overwrite=overwrite)
     say = (lambda s: click.echo(s, err=True))

@@ -133,3 +133,12 @@ def test_a_drafter_target_that_is_not_a_model_directory_is_one_line(tmp_path):
         r = run("build-tiny-model", "--kind", "dflash", "--target", str(target), "-o", str(tmp_path / "out"))
         assert (r.exit_code, r.stderr.splitlines()) == (2, [f"statediff: error: {line}"])
     assert not (tmp_path / "out").exists()
+
+
+def test_check_says_why_it_takes_no_tensor_parallel_size(tmp_path, no_engine):
+    r = run("check", "-o", str(tmp_path / "d"), "--tensor-parallel-size", "2")
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        "statediff: error: check takes no --tensor-parallel-size: it audits and compares one trace per run; "
+        "record each run with 'statediff record --tensor-parallel-size N' and compare the sets"])
+    assert not (tmp_path / "d").exists()
+    assert not any(line.lstrip().startswith("--tensor-parallel-size") for line in run("check", "--help").output.splitlines())
