@@ -465,16 +465,17 @@ def check_model_splits(model_dir: str, n: int) -> None:
     Raises:
         StatediffError: one line naming the count and ``--model tiny-tp``.
     """
+    from statediff_hooks.vllm.limits import text_field
+
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return
     if not isinstance(cfg, dict):
         return
-    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    counts = {k: cfg[k] for k in SPLIT_COUNTS if isinstance(cfg.get(k), int) and not isinstance(cfg.get(k), bool)}
-    bad = [f"{k} = {v}" for k, v in counts.items() if v % n]
-    experts = cfg.get("num_experts")
+    counts = {k: text_field(cfg, k) for k in SPLIT_COUNTS}
+    bad = [f"{k} = {v}" for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool) and v % n]
+    experts = text_field(cfg, "num_experts")
     if isinstance(experts, int) and 0 < experts < n:
         bad.append(f"num_experts = {experts}")
     if bad:
