@@ -15,7 +15,7 @@ import click
 
 from statediff.diff.defaults import DEFAULT_FACTOR
 from statediff.errors import StatediffError
-from statediff.textsafe import for_terminal
+from statediff.textsafe import for_terminal, one_line
 
 PATH = click.Path(path_type=Path)
 OUT_FILE = click.Path(dir_okay=False, path_type=Path)
@@ -79,8 +79,9 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def warn(message: str) -> None:
-    """One warning line on stderr (the verdict and exit code stay those of the result)."""
-    click.echo("statediff: warning: " + " ".join(str(message).split()), err=True)
+    """One warning line on stderr (the verdict and exit code stay those of the result); escaped as an
+    error line is (``one_line``): a warning may quote a trace's run metadata."""
+    click.echo("statediff: warning: " + one_line(" ".join(str(message).split())), err=True)
 
 
 def compare_pair(hit: Path, cold: Path, options: Any, **kw: Any) -> Any:
