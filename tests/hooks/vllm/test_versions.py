@@ -105,6 +105,7 @@ def test_install_capture_refuses_an_unknown_version_before_anything_is_patched(m
     assert str(e.value) == REFUSAL_033 and no_patching == []
 
 
+@pytest.mark.engine  # install_capture imports vLLM (the capture's patch points)
 def test_the_override_survives_install_capture_and_picks_the_nearest_adapter(monkeypatch, no_patching, tmp_path):
     """The override was lost before: install_capture cleared every STATEDIFF_* variable."""
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
