@@ -12,7 +12,10 @@ libhdf5 parses, with their checksums recomputed, for
 ``STATEDIFF_FUZZ_SECONDS`` (default 90 s) with a seed that changes between
 runs unless ``STATEDIFF_FUZZ_SEED`` is set; the seed is printed first, and
 every file that breaks a bound is saved to tests/hostile/found/. By hand:
-``.venv/bin/python tests/hostile/metafuzz.py --seconds 3600``.
+``.venv/bin/python tests/hostile/metafuzz.py --seconds 3600``. The terminal
+tier sets random bytes of ``traces/hit.h5`` and runs inspect, compare, report,
+verify and audit on it: their output must be printable UTF-8
+(``tests/hostile/terminal.py``; ``STATEDIFF_FUZZ_EXAMPLES // 15`` cases).
 """
 
 from __future__ import annotations
