@@ -227,20 +227,21 @@ def installed_surface(runner: str = "v1") -> Any:
         return None
 
 
-def check_version() -> Adapter:
+def check_version(runner: str = "v1") -> Adapter:
     """The adapter for the installed vLLM (``adapter_for``; the override is
     ``STATEDIFF_ALLOW_UNVERIFIED=1``). A version not verified by the engine tests is first put
-    through the surface check (``installed_surface``): a reviewed version runs only where its
-    patch points match the review, and a vLLM without the V1 patch points is refused in one line.
+    through the surface check of ``runner``'s patch points (``installed_surface``): a reviewed
+    version runs only where its patch points match the review, and a vLLM without the runner's
+    patch points (0.34: no Model Runner V1) is refused in one line.
 
     Raises:
-        UnsupportedEngine: missing V1 patch points; an unverified version without the override.
+        UnsupportedEngine: missing patch points; an unverified version without the override.
     """
     version = installed_version()
     base = version.split("+")[0]
     verified = any(r.version == base and r.checked == "engine" for r in VERSIONS)
     return adapter_for(version, os.environ.get(ALLOW_UNVERIFIED_ENV) == "1",
-                       None if verified else installed_surface("v1"))
+                       None if verified else installed_surface(runner))
 
 
 def eagle_block_drop(speculative_config: Any, facts: VersionFacts, vllm_config: Any = None) -> bool | None:

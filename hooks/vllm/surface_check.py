@@ -483,7 +483,7 @@ def verdict(runner: str, version: str, prints: Mapping[str, Fingerprint],
     for e in sorted(entries, key=lambda e: (e.get("status") == "verified", newest(e)), reverse=True):
         stored = e["runners"][runner]
         required_missing = any(fp.missing and not fp.optional for fp in prints.values())
-        if set(stored) == set(prints) and identical(e) == len(prints) and not required_missing:
+        if identical(e) == len(prints) and not required_missing:  # points stored but no longer used: ignored
             if e.get("status") == "verified":
                 return RunnerVerdict(runner, version, True, e["version"], "verified",
                                      tuple(_against(prints, stored)), e["version"])

@@ -103,7 +103,9 @@ def test_the_registry_is_the_patch_points_surface_py_names():
     assert [(e["version"], e["status"]) for e in stored] == [
         ("0.29.0", "verified"), ("0.30.0", "verified"), ("0.31.0", "verified"), ("0.32.0", "verified"),
         ("0.33.0", "reviewed")]
-    assert all(set(e["runners"]["v1"]) == set(points) for e in stored)
+    for runner in sc.RUNNER_SURFACES:  # each point a runner's adapter uses has its prints in every verified version
+        used = set(sc.patch_points(runner))  # (after adding points: scripts/surface_fingerprints.py)
+        assert all(used <= set(e["runners"].get(runner, {})) for e in stored if e["status"] == "verified"), runner
     assert sorted(stored[-1]["reviewed"]["v1"]) == ["GET_COMPUTED_BLOCKS", "PROPOSE_DRAFT", "RUNNER_V2_INIT",
                                                     "SCHEDULER_INIT", "SCHEDULER_SPLIT"]
 
@@ -310,3 +312,21 @@ def test_a_modified_copy_of_a_patch_point_is_refused_naming_it(tmp_path):
     assert report.exit_code == 1 and v.line() == (
         "vLLM 0.32.0, Model Runner V1: refused: 12 of 13 patch points identical to 0.32.0; "
         "1 changed (PREPROCESS_MAMBA: body)")
+
+
+def test_a_sweep_sized_before_the_engine_started_expects_the_hits_of_the_engines_block_size():
+    """A hybrid's block size is raised at engine start (and in vLLM 0.33 rounded up to the mamba
+    prefill-checkpoint alignment): the sweep, sized before, is judged with the started engine's."""
+    from statediff.replay.sweep import boundary_sweep, expected_hits
+    from statediff_hooks.drivers.sweep import summary
+
+    sweep = boundary_sweep(32, 500, blocks=2, max_tokens=2, seed=0)
+    assert sweep.lengths == [35, 63, 64, 67, 65, 95, 96, 99, 97]
+    measured = expected_hits(sweep.lengths, 64)  # what an engine at block size 64 hits
+    assert summary(sweep, measured, "hit", 64)[1:] == [
+        "  the engine runs with block size 64, not the 32 the sweep was sized for (raised at engine start): "
+        "expected hits are those of its block size",
+        "  expected hit tokens per request:     [0, 0, 0, 0, 64, 64, 64, 64, 64]",
+        "  every request hit as expected"]
+    assert summary(sweep, measured, "hit", 32)[-1] == "  UNEXPECTED HIT: request 8 (3B+1, 97 tokens): hit 64 tokens, " \
+                                                     "expected 96"
