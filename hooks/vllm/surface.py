@@ -190,7 +190,8 @@ def adapter_for(version: str, allow_unverified: bool = False, surface: Any = Non
     if row is not None and surface is not None and surface.accepted and surface.basis == row.version:
         return Adapter(version, row, False, reviewed=True)
     if not allow_unverified:
-        found = f"; {surface.summary()} (statediff engine-surface)" if surface is not None else ""
+        changed = surface is not None and not surface.accepted and surface.basis is not None
+        found = f"; {surface.summary()} (statediff engine-surface)" if changed else ""
         raise UnsupportedEngine(
             f"vLLM {version} is not verified by statediff (verified: {', '.join(VERIFIED_VERSIONS)}){found}; "
             f"install one of those, or set {ALLOW_UNVERIFIED_ENV}=1 to record with the "

@@ -410,7 +410,7 @@ class RunnerVerdict:
 
     def summary(self) -> str:
         """What the check found, without the version and runner ("8 of 13 patch points identical to
-        0.32.0, 5 changed (...)")."""
+        0.32.0; 5 changed (...)", "verified 0.32.0 (...)")."""
         n = len(self.points)
         absent = [p for p in self.points if p.difference == "missing"]
         same = n - len(self.changed) - len(absent)
@@ -431,11 +431,12 @@ class RunnerVerdict:
         if self.changed:
             parts.append(f"{len(self.changed)} changed ("
                          + ", ".join(f"{p.print.name}: {p.difference}" for p in self.changed) + ")")
-        return "refused: " + "; ".join(parts)
+        return "; ".join(parts)
 
     def line(self) -> str:
-        """The one-line answer: version, runner, ``summary``."""
-        return f"vLLM {self.version}, Model Runner {self.runner.upper()}: {self.summary()}"
+        """The one-line answer: version, runner, "refused: " where refused, ``summary``."""
+        refused = "refused: " if not self.accepted and self.basis is not None else ""
+        return f"vLLM {self.version}, Model Runner {self.runner.upper()}: {refused}{self.summary()}"
 
     def details(self) -> list[str]:
         """One line per point: name, target, what differs (and why it is accepted, when reviewed)."""

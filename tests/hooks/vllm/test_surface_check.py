@@ -211,7 +211,17 @@ def test_vllm_033_runs_with_its_reviewed_row_only_where_its_points_match_the_rev
     with pytest.raises(surface.UnsupportedEngine) as e:
         surface.adapter_for("0.33.0", surface=v032)
     assert str(e.value).startswith("vLLM 0.33.0 is not verified by statediff (verified: 0.29.0, 0.30.0, 0.31.0, "
-                                   "0.32.0); patch points identical to 0.32.0 (13 of 13) (statediff engine-surface); ")
+                                   "0.32.0); install one of those, or set STATEDIFF_ALLOW_UNVERIFIED=1 ")
+    # points that changed where nothing was reviewed: named in the refusal
+    changed = dict(stored["0.33.0"], runners={"v1": {**stored["0.33.0"]["runners"]["v1"], "SAMPLE": dict(
+        stored["0.32.0"]["runners"]["v1"]["SAMPLE"], body="0" * 16)}})
+    with pytest.raises(surface.UnsupportedEngine) as e:
+        surface.adapter_for("0.33.0", surface=verdict_of(changed, "0.33.0"))
+    assert str(e.value).startswith(
+        "vLLM 0.33.0 is not verified by statediff (verified: 0.29.0, 0.30.0, 0.31.0, 0.32.0); 7 of 13 patch points "
+        "identical to 0.32.0; 6 changed (GET_COMPUTED_BLOCKS: signature and body, PROPOSE_DRAFT: body, "
+        "RUNNER_V2_INIT: body, SAMPLE: body, SCHEDULER_INIT: body, SCHEDULER_SPLIT: body) (statediff engine-surface); "
+        "install one of those")
     assert surface.REVIEWED_VERSIONS == ("0.33.0",) and "0.33.0" not in surface.VERIFIED_VERSIONS
 
 
@@ -330,3 +340,19 @@ def test_a_sweep_sized_before_the_engine_started_expects_the_hits_of_the_engines
         "  every request hit as expected"]
     assert summary(sweep, measured, "hit", 32)[-1] == "  UNEXPECTED HIT: request 8 (3B+1, 97 tokens): hit 64 tokens, " \
                                                      "expected 96"
+
+
+def test_the_started_scheduler_notes_its_own_block_drop():
+    from statediff_hooks.vllm.v1 import sched
+
+    class Scheduler:  # vLLM 0.33's Scheduler.__init__, reduced to what decides the drop
+        def __init__(self, drop: bool, lookahead: int) -> None:
+            self.num_hash_lookahead_tokens = lookahead
+            self.kv_cache_manager = NS(use_eagle=drop and not lookahead)
+
+    init = sched.wrap_init_note(Scheduler.__init__)
+    init(Scheduler.__new__(Scheduler), True, 1)
+    assert sched.NOTED == {"eagle_block_drop": False, "hash_lookahead_tokens": 1}
+    init(Scheduler.__new__(Scheduler), True, 0)
+    assert sched.NOTED == {"eagle_block_drop": True, "hash_lookahead_tokens": 0}
+    sched.NOTED.clear()
