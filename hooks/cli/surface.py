@@ -15,7 +15,7 @@ from ..vllm.surface_check import FINGERPRINTS, InstalledTree, WheelTree, check, 
 
 
 @click.command("engine-surface",
-               short_help="Check vLLM's patch points against the versions statediff verified (source only).")
+               short_help="Compare vLLM's patch points with the verified versions'.")
 @click.option("--wheel", "wheels", multiple=True, type=click.Path(dir_okay=False), metavar="PATH",
               help="A vLLM wheel file to check without installing it (pip download --no-deps vllm==X); "
                    "repeatable. Without it: the installed vLLM.")

@@ -12,9 +12,12 @@ a read that moved), not in the capture logic. ``effective`` (what the started en
 runs with) and ``v1.sched`` (the scheduler wrappers) read their own,
 documented, fields.
 
-- Version: ``VERSIONS`` (one ``VersionFacts`` row per verified version), ``VERIFIED_VERSIONS``,
-  ``adapter_for`` (the row an installed version runs with), ``check_version``.
-- Patch points (``PatchPoint``): the methods ``plugin.register`` wraps.
+- Version: ``VERSIONS`` (one ``VersionFacts`` row per verified version, and vLLM 0.33.0's, read from
+  source only: ``REVIEWED_VERSIONS``), ``VERIFIED_VERSIONS``, ``adapter_for`` (the row an installed
+  version runs with), ``check_version`` (for a version the engine tests have not verified, after the
+  surface check of ``surface_check``: patch points fingerprinted from source).
+- Patch points (``PatchPoint``): the methods ``plugin.register`` wraps; every ``PatchPoint`` at module
+  level here is fingerprinted by ``surface_check`` (``fingerprints.json``), so a new one needs its prints.
 - Scheduler output (``v1/core/sched/output.py`` ``SchedulerOutput``):
   ``new_requests`` (``scheduled_new_reqs``: ``NewRequestData``),
   ``continuing_requests`` (``scheduled_cached_reqs``), ``finished_request_ids``,

@@ -481,14 +481,16 @@ def verdict(runner: str, version: str, prints: Mapping[str, Fingerprint],
     def identical(e: Mapping[str, Any]) -> int:
         return sum(r.difference is None for r in _against(prints, e["runners"][runner]))
 
+    required_missing = any(fp.missing and not fp.optional for fp in prints.values())
     for e in sorted(entries, key=lambda e: (e.get("status") == "verified", newest(e)), reverse=True):
         stored = e["runners"][runner]
-        required_missing = any(fp.missing and not fp.optional for fp in prints.values())
         if identical(e) == len(prints) and not required_missing:  # points stored but no longer used: ignored
             if e.get("status") == "verified":
                 return RunnerVerdict(runner, version, True, e["version"], "verified",
                                      tuple(_against(prints, stored)), e["version"])
-            base = next((v for v in verified if v["version"] == e.get("compared_with")), None) or verified[-1]
+            base = next((v for v in verified if v["version"] == e.get("compared_with")), None)
+            if base is None:
+                continue  # a review needs the verified version it was compared with
             notes = e.get("reviewed", {}).get(runner, {})
             results = tuple(dataclasses.replace(r, note=notes.get(r.print.name, ""))
                             for r in _against(prints, base["runners"][runner]))
