@@ -457,6 +457,12 @@ class RunnerVerdict:
                                 **p.print.stored()) for p in self.points]}
 
 
+def status_of(entry: Mapping[str, Any], runner: str) -> str | None:
+    """A stored version's status for one runner: ``runner_status[runner]`` where the entry has one
+    (a runner verified later than another on the same version), else the entry's ``status``."""
+    return entry.get("runner_status", {}).get(runner, entry.get("status"))
+
+
 def _against(prints: Mapping[str, Fingerprint], stored: Mapping[str, Any]) -> list[PointResult]:
     return [PointResult(fp, fp.difference(stored.get(name))) for name, fp in prints.items()]
 
@@ -469,7 +475,7 @@ def verdict(runner: str, version: str, prints: Mapping[str, Fingerprint],
     counts as equal when missing here too): a verified version first, then a reviewed one, newest
     first. Otherwise refused against the verified version with the most identical points.
     """
-    entries = [e for e in store if runner in e.get("runners", {})]
+    entries = [dict(e, status=status_of(e, runner)) for e in store if runner in e.get("runners", {})]
     if not entries:
         return RunnerVerdict(runner, version, False, None, None,
                              tuple(PointResult(fp, None) for fp in prints.values()), None)

@@ -105,7 +105,8 @@ def test_the_registry_is_the_patch_points_surface_py_names():
         ("0.33.0", "reviewed")]
     for runner in sc.RUNNER_SURFACES:  # each point a runner's adapter uses has its prints in every verified version
         used = set(sc.patch_points(runner))  # (after adding points: scripts/surface_fingerprints.py)
-        assert all(used <= set(e["runners"].get(runner, {})) for e in stored if e["status"] == "verified"), runner
+        assert all(used <= set(e["runners"].get(runner, {})) for e in stored
+                   if sc.status_of(e, runner) == "verified"), runner
     assert sorted(stored[-1]["reviewed"]["v1"]) == ["GET_COMPUTED_BLOCKS", "PROPOSE_DRAFT", "RUNNER_V2_INIT",
                                                     "SCHEDULER_INIT", "SCHEDULER_SPLIT"]
 
@@ -149,6 +150,17 @@ def test_a_wheel_is_checked_without_installing_it_identical_changed_and_reviewed
     store.write_text(json.dumps({"versions": [store_of(files, "0.40.0"), store_of(
         changed, "0.41.0", "reviewed", compared_with="0.40.0", reviewed={"v1": {}})]}))
     assert run_cli(capsys, "--wheel", str(tmp_path / "b.whl"), "--brief")[0] == 1
+
+
+def test_a_runner_verified_apart_from_the_entry_has_its_own_status():
+    files = stub_sources("0.40.0")
+    tree = sc.WheelTree.__new__(sc.WheelTree)
+    tree.read = files.get  # type: ignore[method-assign]
+    prints = sc.fingerprint(tree, sc.patch_points("v1"))
+    entry = store_of(files, "0.40.0", "reviewed", compared_with="0.39.0")
+    assert not sc.verdict("v1", "0.40.0", prints, [entry]).accepted  # a review with no verified basis
+    v = sc.verdict("v1", "0.40.0", prints, [dict(entry, runner_status={"v1": "verified"})])
+    assert v.accepted and v.line() == "vLLM 0.40.0, Model Runner V1: verified 0.40.0 (13 patch points identical)"
 
 
 def test_a_wheel_without_model_runner_v1_names_every_missing_point(tmp_path, capsys):
