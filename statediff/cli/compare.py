@@ -6,16 +6,17 @@ from pathlib import Path
 
 import click
 
-from .shared import (OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted,
-                     refuse_existing, warn)
+from .shared import OUT_FILE, PATH, compare_options, emit, json_option, progress_wanted, refuse_existing, warn
 
 
 def compare_set_or_pair(hit: Path, cold: Path, options, **kw):
     """Two tensor-parallel sets rank by rank (``statediff.diff.ranks``: a ``RankedResult``), else the
-    pair (``compare_pair``)."""
+    pair (``statediff.diff.pair.compare_pair``)."""
+    from statediff.diff.pair import compare_pair
     from statediff.diff.ranks import compare_ranks
     from statediff.trace import open_trace
 
+    kw = dict(kw, warn=warn)
     ranked = compare_ranks(hit, cold, open_trace(hit).run, open_trace(cold).run,
                            lambda h, c: compare_pair(h, c, options, **kw),
                            lambda s, n, single, side: _merged_compare(s, n, single, side, options, **kw))
@@ -29,6 +30,7 @@ def _merged_compare(set0: Path, size: int, single: Path, side: str, options, **k
     import dataclasses
     import tempfile
 
+    from statediff.diff.pair import compare_pair
     from statediff.diff.ranks import merge_set
     from statediff.errors import StatediffError
 
