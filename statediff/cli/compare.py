@@ -81,7 +81,8 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     the sketch's estimate of the L2 error against the tolerance; when the
     root has no data, the report prints the two 'statediff record --focus'
     commands that record it (--json: "focus" and "focus_commands").
-    Exit 0 no divergence, 1 divergence, 2 error.
+    Exit 0 no divergence, 1 divergence, 2 error or CANNOT JUDGE (--json:
+    "verdict": "cannot-judge"; an error prints no JSON, one line on stderr).
 
     Tensor-parallel recordings (record --tensor-parallel-size N): give each
     set's rank-0 trace; rank r is compared with rank r, shard by shard, and

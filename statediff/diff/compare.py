@@ -134,10 +134,14 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             inputs_differ=_inputs_differ(judged, parts, max_listed), digests=_digest_summary(judged),
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
-            band=BandSummary(judged.band_noise, tuple(judged.band_unsure),
-                             policy.default_kind is ToleranceKind.REPLAY_BAND),
-            tolerances=ToleranceUse({k.value: judged.kinds[k] for k in ToleranceKind if judged.kinds[k]},
-                                    policy.default_kind, len(rules), model is not None))
+            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), policy.default_kind is ToleranceKind.REPLAY_BAND),
+            tolerances=_tolerance_use(judged, policy))
+
+
+def _tolerance_use(judged: "_Judging", policy: Policy) -> ToleranceUse:
+    """How many judged pairs each rule of the policy judged, and its default (what the report names)."""
+    return ToleranceUse({k.value: judged.kinds[k] for k in ToleranceKind if judged.kinds[k]},
+                        policy.default_kind, len(policy.rules), policy.noise is not None)
 
 
 def _judging_warnings(judged: "_Judging", exact: bool) -> list[str]:
