@@ -437,6 +437,8 @@ def _title(result: Any, audit: Any = None) -> str:
                  "between rounding noise and a fault (default replay)")
     else:
         title = "statediff: no state divergence between the cache-hit and cold runs"
+    if audit is not None and audit.exit_code == 2:  # NOT CHECKED: the exit code is 2, the title says why
+        title += "; the one-run audit of the cache-hit run could check no restore (NOT CHECKED)"
     if root.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
         title += " (INCOMPLETE trace: " + "; ".join(root.incomplete) + ")"
     return title if where is None else f"{title} (tensor parallel: {where})"
