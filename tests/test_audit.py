@@ -152,6 +152,28 @@ def test_a_group_shortfall_is_named_with_both_lengths(tmp_path):
                       "nor recomputed")
 
 
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_kv_read_from_a_block_nobody_wrote_is_read_before_write(tmp_path, keep):
+    """Issue 34: a restored block that holds no write of this run (a drafter's blocks a connector
+    restoring only the target left empty) is "read, never written", not "not checkable"."""
+    r, f, key = _first(tmp_path, "kv-unwritten", keep)
+    assert key == ("read_before_write", 3, 48, 1, "attn.k")
+    assert [(g.check, g.kind) for g in r.findings] == [("read_before_write", "attn.k"),
+                                                       ("read_before_write", "attn.v"),
+                                                       ("block_table", "block_table")]
+    assert f.what == ("read, never written: KV-cache group 1 reads tokens [32, 48) from block 30, which nothing "
+                      "in this run wrote before step 10; these tokens' K/V were written by request 1 at step 5 "
+                      "into block 13")
+    assert f.expected == {"request": 1, "position": 48, "token_start": 32, "step": 5, "block": 13}
+    assert f.diagnosis == ("block 30 is in no recorded allocation of a cached prefix (a block allocated for "
+                           "computing, never computed into)")
+    assert r.unchecked_count == 0 and r.checked["kv"] == 10
+    res = CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5")])
+    assert res.exit_code == 1
+    assert "finding 1 (read_before_write): request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k: " \
+        "read, never written" in res.stdout
+
+
 @pytest.mark.parametrize("keep", ["none", None])
 def test_a_restore_whose_saved_value_was_not_recorded_is_not_checkable(tmp_path, keep):
     r = audit_trace(write_hit_run(tmp_path / "hit.h5", keep=keep, omit_checkpoint=True))

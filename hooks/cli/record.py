@@ -252,12 +252,17 @@ def check_target_dir(target: str) -> None:
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "tp", "hybrid-fp8",
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "dflash-own-group",
+                                             "dflash-sliding", "dflash-anchor-only", "tp", "hybrid-fp8",
                                              "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"]),
               default="hybrid", show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
                    "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); dflash: a vLLM "
-                   "DFlash drafter for --target (default the mtp hybrid) whose drafts that target accepts; "
+                   "DFlash drafter for --target (default the mtp hybrid) whose drafts are read from its context "
+                   "K/V and which that target accepts; dflash-own-group: the same with 4 KV heads of 64 (its own "
+                   "KV-cache group on the hybrid); dflash-sliding: the same with a sliding window (its own group "
+                   "on any target); dflash-anchor-only: the DFlash drafter that drafts the anchor token and gives "
+                   "its context no attention; "
                    "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2); "
                    "hybrid-fp8 / hybrid-nvfp4: the hybrid as a compressed-tensors FP8_DYNAMIC / NVFP4 target, "
                    "GDN layers and routed experts bf16 (--model tiny-fp8 / tiny-nvfp4); mtp-fp8 / mtp-nvfp4: the mtp "
@@ -269,8 +274,8 @@ def check_target_dir(target: str) -> None:
 @click.option("--overwrite", is_flag=True)
 def build_tiny_model_cmd(output, kind, target, seed, overwrite):
     """Write a built-in tiny model (random weights, offline tokenizer)."""
-    if target and kind not in ("eagle3", "dflash"):
-        raise StatediffError("--target is only for --kind eagle3 and --kind dflash")
+    if target and kind != "eagle3" and not kind.startswith("dflash"):
+        raise StatediffError("--target is only for --kind eagle3 and the --kind dflash drafters")
     if target:
         check_target_dir(target)
     try:
