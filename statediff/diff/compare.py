@@ -46,6 +46,7 @@ from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
+from .acceptance import acceptance_findings
 from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
@@ -135,7 +136,8 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             inputs_differ=_inputs_differ(judged, parts, max_listed), digests=_digest_summary(judged),
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
-            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok))
+            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok),
+            acceptance=acceptance_findings(traces.hit.requests, traces.cold.requests))
 
 
 def _judging_warnings(judged: "_Judging", exact: bool) -> list[str]:

@@ -483,6 +483,8 @@ class CompareResult:
     near_ties: tuple[OutputDiff, ...] = ()
     # default replay: what the noise model (band.py) cleared or could not judge
     band: BandSummary = BandSummary()
+    # hit requests whose drafter acceptance falls against their cold twin (statediff.diff.acceptance)
+    acceptance: tuple = ()
 
     @property
     def stopped_early(self) -> bool:
@@ -491,7 +493,7 @@ class CompareResult:
 
     @property
     def cause(self) -> str | None:
-        """"tensor", "block_table", "outputs", "drafts" (first that applies), or None (SAME)."""
+        """"tensor", "block_table", "outputs", "drafts", "acceptance" (first that applies), or None (SAME)."""
         if self.divergences:
             return "tensor"
         if self.block_tables:
@@ -500,6 +502,8 @@ class CompareResult:
             return "outputs"
         if self.draft_diff is not None:
             return "drafts"
+        if self.acceptance:
+            return "acceptance"
         return None
 
     @property
@@ -544,6 +548,9 @@ class CompareResult:
         if cause == "drafts":
             return (f"DIVERGED: drafts differ at {self.draft_diff.text()}, while the sampled tokens agree "
                     "(exact replay: the drafter saw other inputs or state)")
+        if cause == "acceptance":
+            return (f"DIVERGED: the drafter's acceptance falls after a prefix-cache hit at "
+                    f"{self.acceptance[0].text()}, while no captured tensor and no output differs")
         if self.cannot_judge:
             n = len(self.band.unsure)
             return (f"CANNOT JUDGE: {n} pair{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} by more than rounding noise of differently "
@@ -640,6 +647,7 @@ class CompareResult:
         out += [f"block table: {b.text()} ({b.side} run)" for b in self.block_tables]
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"hit finding: {f}" for f in self.hit_findings]
+        out += [f"acceptance: {a.text()}" for a in self.acceptance]
         if self.strict_hits and self.hit_findings:
             out.append(f"--strict-hits: {len(self.hit_findings)} hit finding(s), exit code 1")
         roots = self.roots
@@ -705,4 +713,5 @@ class CompareResult:
             "incomplete": list(self.incomplete),
             "hit_findings": list(self.hit_findings),
             "strict_hits": self.strict_hits,
+            "acceptance": [a.to_json() for a in self.acceptance],
         })
