@@ -1,4 +1,5 @@
-"""A tiny DFlash drafter for vLLM whose drafts the tiny MTP hybrid accepts (``build-tiny-model --kind dflash``).
+"""The anchor-only tiny DFlash drafter for vLLM (``build-tiny-model --kind dflash-anchor-only``): its mask
+slots draft the anchor token and give the context K/V no attention, so a stale context changes no draft.
 
 vLLM 0.32 format (``model_executor/models/qwen3_dflash.py``
 ``DFlashQwen3ForCausalLM``, architecture ``DFlashDraftModel``, ``model_type``
@@ -44,8 +45,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.shared import config_digest
-from statediff_hooks.tiny.draft import _target_config, _write_drafter
+from ..recording.fields import config_digest
+from .draft import _target_config, _write_drafter
 
 __all__ = ["ANCHOR_FLAG", "ARCHITECTURE", "Q_GAIN", "build_tiny_vllm_dflash", "vllm_dflash_config"]
 
@@ -96,7 +97,7 @@ def vllm_dflash_weights(cfg: dict[str, Any], target_embed: Any, seed: int) -> di
     """``{checkpoint name: bf16 tensor}`` for ``cfg`` and the target's ``[vocab, hidden]`` embedding."""
     import torch
 
-    from statediff_hooks.tiny.model import draw_tensor
+    from .model import draw_tensor
 
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     taps = len(cfg["dflash_config"]["target_layer_ids"])

@@ -43,8 +43,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.shared import config_digest
-from statediff_hooks.tiny.draft import _target_config, _write_drafter
+from ..recording.fields import config_digest
+from .draft import _target_config, _write_drafter
 
 __all__ = ["ARCHITECTURE", "EMBED_FLAG", "QK_GAIN", "RECENCY_PAIRS", "build_tiny_vllm_dflash_context",
            "dflash_context_config", "dflash_context_weights", "recency_margin"]
@@ -119,7 +119,7 @@ def dflash_context_weights(cfg: dict[str, Any], target: dict[str, Any], target_m
     norm is 0-centred, ``1 + w``; the drafter's is ``w``)."""
     import torch
 
-    from statediff_hooks.tiny.model import draw_tensor
+    from .model import draw_tensor
 
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     qkv = _HEADS * hd
