@@ -139,3 +139,27 @@ def test_the_plugin_refuses_a_bad_value_in_one_line_before_the_engine(monkeypatc
     assert e.value.code == 2
     assert capsys.readouterr().err == ("statediff: error: STATEDIFF_LIVE_AUDIT_PROMPTS='yes': expected 0 (leave "
                                        "prompts out) or 1\n")
+
+
+def test_a_hit_requests_falling_acceptance_is_an_incident(tmp_path):
+    """Issue 34: the live audit reports a hit request whose drafter acceptance falls against the
+    engine's finished requests without a hit (three pooled counters)."""
+    a = auditor(tmp_path)
+
+    def acc(drafts, drafted, accepted):
+        return {"num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+    a.begin_request(0, "cmpl-a-0", PREFIX)
+    a.update_request(0, acceptance=acc(6, 18, 13))
+    a.update_request(0, finished=True)
+    a.begin_request(1, "cmpl-b-0", PREFIX + [3], num_cached_tokens=384)
+    a.update_request(1, acceptance=acc(6, 18, 12))  # as good as the pool: no incident
+    a.update_request(1, finished=True)
+    a.begin_request(2, "cmpl-c-0", PREFIX + [4], num_cached_tokens=384)
+    a.update_request(2, finished=True, acceptance=acc(16, 48, 0))
+    (line,) = (tmp_path / "inc.jsonl").read_text().splitlines()
+    got = json.loads(line)
+    assert (got["request_id"], got["check"], got["position"], got["num_cached_tokens"]) == ("cmpl-c-0", "acceptance",
+                                                                                           384, 384)
+    assert got["what"] == ("acceptance falls to 0 of 48 drafted tokens accepted (0%), mean acceptance length 1.00, "
+                           "against 13 of 18 drafted tokens accepted (72%), mean acceptance length 3.17 in the "
+                           "engine's requests without a hit")

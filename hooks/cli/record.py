@@ -77,7 +77,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 @click.option("--fault", default=_D.fault, metavar="SPEC",
               help="Planted-fault self-check on the cache-hit path: ssm-wrong-block, conv-zero, kv-stale, kv-swap, "
                    "ssm-bf16, ssm-nan, logits (outputs only, no captured state), drafter-perturb, drafter-shift (inside the "
-                   "proposer) or drafter-kv-zero (with --speculative-config), recycled-slot (a request without a hit starts from another "
+                   "proposer), drafter-kv-zero or drafter-kv-unwritten (a drafter with its own KV-cache group) (with --speculative-config), recycled-slot (a request without a hit starts from another "
                    "request's state) or group-shortfall (the attention group's hit one block short; "
                    "'statediff audit' names both), optionally ':layer=N' and ':request=N'.")
 @click.option("--engine-fix", "engine_fixes", multiple=True, type=click.Choice(["gdn-ragged-drafts"]),

@@ -186,6 +186,7 @@ class LiveAuditor:
         if index not in self.requests:
             return
         if "finished" in fields:  # nothing of it is checked any more: forget it (bounded memory)
+            self._acceptance(index, fields.get("acceptance", self.requests[index].get("acceptance")))
             self._forget(index)
             return
         self.requests[index].update(fields)
@@ -306,6 +307,24 @@ class LiveAuditor:
         h.update(np.asarray(toks[:n], dtype=np.int64).tobytes())
         got = self._prefix[(index, n)] = h.hexdigest()
         return got
+
+    def _acceptance(self, index: int, acc: Any) -> None:
+        """A finished request's drafter acceptance: pooled when it had no prefix-cache hit; reported
+        (check "acceptance") when it had one and its acceptance falls against that pool
+        (``statediff.diff.acceptance``; three counters kept, whatever the traffic)."""
+        from statediff.diff.acceptance import AcceptanceFinding, RequestAcceptance, falls, per_request
+
+        got = per_request({index: {"acceptance": acc}}).get(index)
+        hit = self.requests[index].get("num_cached_tokens") or 0
+        if got is None:
+            return
+        if not hit:
+            self._pool = [a + b for a, b in zip(getattr(self, "_pool", [0, 0, 0]), (got.drafts, got.drafted,
+                                                                                    got.accepted))]
+        elif falls(got, pool := RequestAcceptance(*getattr(self, "_pool", [0, 0, 0]))):
+            text = AcceptanceFinding(index, hit, got, pool, "the engine's requests without a hit").text()
+            self._report(Finding("acceptance", index, hit, -1, "acceptance", "", -1,
+                                 text.split(": ", 1)[1]), None)
 
     def _forget(self, index: int) -> None:
         for d in (self.requests, self.tokens, self._initial, self._done):

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["MAX_RATIO", "MIN_DRAFTED", "MIN_DROP", "AcceptanceFinding", "RequestAcceptance",
-           "acceptance_findings", "per_request", "within_run_findings"]
+           "acceptance_findings", "falls", "per_request", "within_run_findings"]
 
 #: Draft tokens each side needs before its rate is compared.
 MIN_DRAFTED = 6
@@ -102,7 +102,8 @@ def per_request(requests: Mapping[int, Mapping[str, Any]]) -> dict[int, RequestA
     return out
 
 
-def _falls(hit: RequestAcceptance, base: RequestAcceptance) -> bool:
+def falls(hit: RequestAcceptance, base: RequestAcceptance) -> bool:
+    """``hit``'s acceptance falls against ``base`` (module docstring: ``MIN_DRAFTED``, ``MIN_DROP``, ``MAX_RATIO``)."""
     if hit.drafted < MIN_DRAFTED or base.drafted < MIN_DRAFTED:
         return False
     return hit.rate <= base.rate - MIN_DROP and hit.rate < MAX_RATIO * base.rate
@@ -124,7 +125,7 @@ def acceptance_findings(hit_requests: Mapping[int, Mapping[str, Any]],
         if _hit_len(hit_requests[i]) <= 0:
             continue
         if i in cold_acc:
-            if _falls(hit_acc[i], cold_acc[i]):
+            if falls(hit_acc[i], cold_acc[i]):
                 out.append(AcceptanceFinding(i, _hit_len(hit_requests[i]), hit_acc[i], cold_acc[i], "its cold twin"))
         else:
             no_twin[i] = hit_requests[i]
@@ -143,4 +144,4 @@ def within_run_findings(requests: Mapping[int, Mapping[str, Any]]) -> tuple[Acce
     pool = RequestAcceptance(sum(a.drafts for a in cold), sum(a.drafted for a in cold),
                              sum(a.accepted for a in cold))
     return tuple(AcceptanceFinding(i, _hit_len(requests[i]), a, pool, "the run's requests without a hit")
-                 for i, a in sorted(acc.items()) if _hit_len(requests[i]) > 0 and _falls(a, pool))
+                 for i, a in sorted(acc.items()) if _hit_len(requests[i]) > 0 and falls(a, pool))
