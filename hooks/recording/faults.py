@@ -41,6 +41,12 @@ FAULTS = {
     # the drafter's own attention layers (an MTP or EAGLE head), in the cache memory itself
     "drafter-kv-zero": ("attn.k", 1, "the drafter's K and V of every cached block zeroed at the hit "
                         "(in the cache memory, before the step reads them)"),
+    # the drafter's own KV-cache group (a DFlash drafter unlike the target's attention): its runner row
+    # maps the cached blocks to blocks nothing wrote, as a KV connector restoring only the target's
+    # layers would leave the drafter's (vLLM #47930's never-written context)
+    "drafter-kv-unwritten": ("attn.k", 1, "the drafter's own KV-cache group reads every cached block from a "
+                             "block nothing in the run wrote (its runner block table row remapped at the hit), "
+                             "as a connector restoring only the target's layers would leave it"),
     # speculative decoding (hooks/vllm/v1/spec.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
