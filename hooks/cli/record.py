@@ -253,7 +253,8 @@ def check_target_dir(target: str) -> None:
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
 @click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "dflash-own-group",
-                                             "dflash-sliding", "dflash-anchor-only", "tp", "hybrid-fp8",
+                                             "dflash-sliding", "dflash-anchor-only", "dflash2", "dspark", "tp",
+                                             "hybrid-fp8",
                                              "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"]),
               default="hybrid", show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
@@ -261,7 +262,8 @@ def check_target_dir(target: str) -> None:
                    "DFlash drafter for --target (default the mtp hybrid) whose drafts are read from its context "
                    "K/V and which that target accepts; dflash-own-group: the same with 4 KV heads of 64 (its own "
                    "KV-cache group on the hybrid); dflash-sliding: the same with a sliding window (its own group "
-                   "on any target); dflash-anchor-only: the DFlash drafter that drafts the anchor token and gives "
+                   "on any target); dflash2 / dspark: its DFlash2 and DSpark twins (Model Runner V2 only; method dflash / "
+                   "dspark); dflash-anchor-only: the DFlash drafter that drafts the anchor token and gives "
                    "its context no attention; "
                    "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2); "
                    "hybrid-fp8 / hybrid-nvfp4: the hybrid as a compressed-tensors FP8_DYNAMIC / NVFP4 target, "
@@ -274,8 +276,8 @@ def check_target_dir(target: str) -> None:
 @click.option("--overwrite", is_flag=True)
 def build_tiny_model_cmd(output, kind, target, seed, overwrite):
     """Write a built-in tiny model (random weights, offline tokenizer)."""
-    if target and kind != "eagle3" and not kind.startswith("dflash"):
-        raise StatediffError("--target is only for --kind eagle3 and the --kind dflash drafters")
+    if target and kind != "eagle3" and not kind.startswith(("dflash", "dspark")):
+        raise StatediffError("--target is only for --kind eagle3 and the DFlash/DSpark drafters")
     if target:
         check_target_dir(target)
     try:

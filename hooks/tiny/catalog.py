@@ -32,13 +32,15 @@ _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagl
          "dflash-own-group": "tiny-dflash-context-hd64-for-qwen3next-mtp",
          "dflash-sliding": "tiny-dflash-context-swa-for-qwen3next-mtp",
          "dflash-anchor-only": "tiny-dflash-anchor-only-for-qwen3next-mtp",
+         "dflash2": "tiny-dflash2-context-for-qwen3next-mtp", "dspark": "tiny-dspark-context-for-qwen3next-mtp",
          "hybrid-fp8": "tiny-qwen3next-fp8", "hybrid-nvfp4": "tiny-qwen3next-nvfp4",
          "mtp-fp8": "tiny-qwen3next-mtp-fp8", "mtp-nvfp4": "tiny-qwen3next-mtp-nvfp4"}
 
 
 #: The context-reading DFlash drafters (``tiny/dflash_context.py``) by kind: their builder's options.
 DFLASH_CONTEXT_KINDS = {"dflash": {}, "dflash-own-group": {"head_dim": 64},
-                        "dflash-sliding": {"sliding_window": 64}}
+                        "dflash-sliding": {"sliding_window": 64}, "dflash2": {"variant": "dflash2"},
+                        "dspark": {"variant": "dspark"}}
 
 
 def home() -> Path:
@@ -53,7 +55,7 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
     "mtp" (the hybrid with an MTP head whose drafts are accepted), "dflash" (vLLM's DFlash
     drafter for "mtp" whose drafts are read from its context K/V, built to be accepted:
     ``tiny/dflash_context.py``; "dflash-own-group" with 4 KV heads of 64, "dflash-sliding" with a
-    sliding window), "dflash-anchor-only" (the DFlash drafter that copies the anchor and gives its
+    sliding window; "dflash2" / "dspark" the Model Runner V2 variants), "dflash-anchor-only" (the DFlash drafter that copies the anchor and gives its
     context no attention: ``tiny/dflash.py``), "tp" (the hybrid with 2 heads
     of every kind, for ``--tensor-parallel-size 2``) or "hybrid-fp8" / "hybrid-nvfp4" (the hybrid
     as a compressed-tensors FP8_DYNAMIC / NVFP4 target, routed experts bf16: ``tiny/formats.py``),
