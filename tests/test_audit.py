@@ -165,8 +165,7 @@ def test_kv_read_from_a_block_nobody_wrote_is_read_before_write(tmp_path, keep):
                       "in this run wrote before step 10; these tokens' K/V were written by request 1 at step 5 "
                       "into block 13")
     assert f.expected == {"request": 1, "position": 48, "token_start": 32, "step": 5, "block": 13}
-    assert f.diagnosis == ("block 30 is in no recorded allocation of a cached prefix (a block allocated for "
-                           "computing, never computed into)")
+    assert f.diagnosis == "block 30 is in no recorded allocation of this run (no hit_block_table row holds it)"
     assert r.unchecked_count == 0 and r.checked["kv"] == 10
     res = CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5")])
     assert res.exit_code == 1

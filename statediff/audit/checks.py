@@ -180,8 +180,7 @@ def _holders(ctx: Context, r: Rec, g: int | None) -> str:
             continue
         held += [f"request {req} logical block {j}" for j, b in enumerate(rows[g]) if b == r.block]
     out = ("block held by " + ", ".join(held[:3]) if held else
-           f"block {r.block} is in no recorded allocation of a cached prefix (a block allocated for "
-           "computing, never computed into)")
+           f"block {r.block} is in no recorded allocation of this run (no hit_block_table row holds it)")
     hits = ctx.requests.get(r.request, {}).get("group_hit_tokens")
     if g is not None and isinstance(hits, list) and g < len(hits) and isinstance(hits[g], int) and \
             hits[g] < max(h for h in hits if isinstance(h, int)) and hits[g] <= r.token_start:
