@@ -333,8 +333,8 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b))
         a = ledger.expect(prompt)
         rec_tokens, rec_src = _int(rec.get("expected_hit_tokens")), _int(rec.get("expected_hit_source"))
-        if rec_tokens is not None:  # what the recorder saw as the request began
-            a = dataclasses.replace(a, tokens=rec_tokens, source=rec_src)
+        if rec_tokens is not None:  # what the recorder saw as the request began, in the engine's alignment
+            a = dataclasses.replace(a, tokens=rec_tokens // b * b, source=rec_src)
         if drop and not cold:  # the drafter's last-block drop is part of the expected hit
             a = dataclasses.replace(a, tokens=max(a.tokens - drop, 0), align=max(a.align - drop, 0))
         ledger.add(i, prompt, outputs)

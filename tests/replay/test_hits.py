@@ -208,3 +208,6 @@ def test_hits_align_to_the_lcm_of_the_groups_block_sizes_and_the_dflash_drop_is_
     assert summary_lines(acc, "hit")[-2:] == ["  every request resumed from the hit expected",
                                               f"  note: {drop_note(run)}"]
     assert drop_note(dict(run, speculative_method="mtp")) is None
+    # the recorder's expected hit (counted in its own 96-token blocks) is rounded to the alignment too
+    reqs[1]["expected_hit_tokens"], reqs[1]["expected_hit_source"] = 480 - 96, 0
+    assert account_run(run, reqs)[1].expected == 192
