@@ -11,7 +11,8 @@ differs from the scheduler's allocation ("block_table"); a sampled output
 or its log-probabilities differ while no captured tensor does ("outputs":
 the cause lies outside the captured state); in exact replay, the drafts of a
 verification step (ids or acceptance) differ while the sampled tokens agree
-("drafts", ``drafts.DraftDiff``); else SAME. Never SAME while outputs or,
+("drafts", ``drafts.DraftDiff``); a hit request's drafter acceptance falls
+against its cold twin ("acceptance", ``acceptance.AcceptanceFinding``); else SAME. Never SAME while outputs or,
 in exact replay, drafts differ.
 
 Text layout: the diagnosis line first (when there is one), the verdict,
