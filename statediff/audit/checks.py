@@ -157,16 +157,48 @@ def read_before_write(ctx: Context, r: Rec) -> Finding | None:
         return None
     written = [w for w in ctx.ledger.at(r.layer, r.kind, r.position, r.token_start, r.step)
                if (r.step >= 0 or w.request < r.request) and ctx.same_prefix(r, w, r.position)]
-    if not written:
-        return None
-    w = written[-1]
     g = ctx.group.get(r.layer)
     group = f"KV-cache group {g}" if g is not None else "its KV-cache group"
-    what = (f"read, never written: {group} reads {r.span()} from block {r.block}, which nothing in this run "
-            f"wrote before step {r.step}; these tokens' K/V were written by request {w.request} at step "
-            f"{w.step} into block {w.block}")
+    head = (f"read, never written: {group} reads {r.span()} from block {r.block}, which nothing in this run "
+            f"wrote before step {r.step}; ")
+    if written:
+        w = written[-1]
+        what = head + f"these tokens' K/V were written by request {w.request} at step {w.step} into block {w.block}"
+    else:
+        # no layer-r write of these tokens at all, while this layer's writes are captured and another
+        # attention layer's K/V of the same tokens were written: this layer's were never computed (a
+        # restore that filled the target's blocks only, vLLM #47930)
+        w = _other_layer_write(ctx, r)
+        if w is None:
+            return None
+        what = head + (f"this layer never wrote these tokens' K/V in this run, while layer {w.layer}'s were "
+                       f"written by request {w.request} at step {w.step} into block {w.block}")
     return Finding("read_before_write", r.request, r.position, r.layer, r.kind, r.module, r.step, what,
                    _expected_ref(w), _holders(ctx, r, g))
+
+
+def _other_layer_write(ctx: Context, r: Rec) -> Rec | None:
+    """The last write of ``r``'s tokens (same token range, kind and prefix, before ``r.step``) by
+    another attention layer, when ``r``'s layer has writes of its own in the ledger (its writes are
+    captured); else None."""
+    # only on the rare path (a block nothing wrote); a trace's ledger is fixed, so its index is kept
+    cached = getattr(ctx, "_by_tokens", None) if type(ctx.ledger) is Ledger else None
+    if cached is None:
+        index: dict[tuple, list[Rec]] = {}
+        layers = set()
+        for (layer, kind, pos, start), ws in ctx.ledger.by_key.items():
+            if ws:
+                index.setdefault((kind, pos, start), []).extend(ws)
+                layers.add((layer, kind))
+        cached = (index, layers)
+        if type(ctx.ledger) is Ledger:
+            ctx._by_tokens = cached
+    index, layers = cached
+    if (r.layer, r.kind) not in layers:
+        return None
+    others = [w for w in index.get((r.kind, r.position, r.token_start), ()) if w.layer != r.layer
+              and (w.step < r.step if r.step >= 0 else w.request < r.request) and ctx.same_prefix(r, w, r.position)]
+    return max(others, key=lambda w: (w.step, w.layer)) if others else None
 
 
 def _holders(ctx: Context, r: Rec, g: int | None) -> str:
