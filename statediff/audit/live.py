@@ -170,6 +170,7 @@ class LiveAuditor:
         self._touched: set[int] = set()
         self._done: dict[int, set[str]] = defaultdict(set)
         self._reported: set[int] = set()
+        self._pool = [0, 0, 0]  # drafts, drafted, accepted of finished requests without a hit
         self.ctx = LiveContext(self.run, self)
         self.stats = {"restores_checked": 0, "not_checkable": 0, "fields_checked": 0, "incidents": 0,
                       "incidents_dropped": 0}
@@ -319,9 +320,8 @@ class LiveAuditor:
         if got is None:
             return
         if not hit:
-            self._pool = [a + b for a, b in zip(getattr(self, "_pool", [0, 0, 0]), (got.drafts, got.drafted,
-                                                                                    got.accepted))]
-        elif falls(got, pool := RequestAcceptance(*getattr(self, "_pool", [0, 0, 0]))):
+            self._pool = [a + b for a, b in zip(self._pool, (got.drafts, got.drafted, got.accepted))]
+        elif falls(got, pool := RequestAcceptance(*self._pool)):
             text = AcceptanceFinding(index, hit, got, pool, "the engine's requests without a hit").text()
             self._report(Finding("acceptance", index, hit, -1, "acceptance", "", -1,
                                  text.split(": ", 1)[1]), None)
