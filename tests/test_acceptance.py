@@ -1,4 +1,4 @@
-"""Acceptance as evidence (``statediff.diff.acceptance``): a hit request whose drafter acceptance
+"""Acceptance as evidence (``statediff.trace.acceptance``): a hit request whose drafter acceptance
 falls against its cold twin, or against the run's requests without a hit, is a finding in
 ``compare`` even when every captured tensor and output is equal (issue 34, vLLM #47930)."""
 
@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from statediff.cli import cli
 from statediff.diff.compare import compare
-from statediff.diff.acceptance import RequestAcceptance, acceptance_findings, per_request, within_run_findings
+from statediff.trace.acceptance import RequestAcceptance, acceptance_findings, per_request, within_run_findings
 
 from synth import write_trace
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from statediff.trace.acceptance import AcceptanceFinding, RequestAcceptance, falls, per_request
+
 from .checks import (Context, block_table_findings, check_restore, expected_write, first_chunk_findings,
                      group_hit_findings)
 from .ledger import WRITE_ROLES, Ledger, Rec, rec_from_summary
@@ -312,9 +314,7 @@ class LiveAuditor:
     def _acceptance(self, index: int, acc: Any) -> None:
         """A finished request's drafter acceptance: pooled when it had no prefix-cache hit; reported
         (check "acceptance") when it had one and its acceptance falls against that pool
-        (``statediff.diff.acceptance``; three counters kept, whatever the traffic)."""
-        from statediff.diff.acceptance import AcceptanceFinding, RequestAcceptance, falls, per_request
-
+        (``statediff.trace.acceptance``; three counters kept, whatever the traffic)."""
         got = per_request({index: {"acceptance": acc}}).get(index)
         hit = self.requests[index].get("num_cached_tokens") or 0
         if got is None:

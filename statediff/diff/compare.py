@@ -45,7 +45,7 @@ from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
-from .acceptance import acceptance_findings
+from statediff.trace.acceptance import acceptance_findings
 from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,

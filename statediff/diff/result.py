@@ -486,7 +486,7 @@ class CompareResult:
     band: BandSummary = BandSummary()
     # which policy rule judged how many pairs; the default that judged pairs no rule matched
     tolerances: ToleranceUse = ToleranceUse()
-    # hit requests whose drafter acceptance falls against their cold twin (statediff.diff.acceptance)
+    # hit requests whose drafter acceptance falls against their cold twin (statediff.trace.acceptance)
     acceptance: tuple = ()
 
     @property
