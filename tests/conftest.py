@@ -233,18 +233,18 @@ def run_records(jobs: list[list[str]], timeout: int = 1500) -> tuple[list[int], 
 
 
 def record_spec_trio(root: Path, model: Path, spec: str, body: list[int], max_tokens: int,
-                     block: int) -> dict[str, Path]:
+                     block: int, fault: str = "drafter-kv-zero") -> dict[str, Path]:
     """Record, in exact replay at ``block`` tokens, a conversation whose prompts extend each other
     (``body`` prompt lengths plus 3 closing tokens each) on ``model`` with the ``--speculative-config``
-    JSON ``spec``: a hit run, a cold run and a hit run with ``--fault drafter-kv-zero``, all in one
-    subprocess. Returns the paths {"hit", "cold", "fault"}."""
+    JSON ``spec``: a hit run, a cold run and a hit run with ``--fault FAULT`` (default
+    ``drafter-kv-zero``), all in one subprocess. Returns the paths {"hit", "cold", "fault"}."""
     tokens = [3 + (37 * i + i * i) % 900 for i in range(max(body))]
     conv = root / "conv.jsonl"
     conv.write_text("".join(json.dumps({"prompt_token_ids": tokens[:n] + [1, 950, 951], "max_tokens": max_tokens})
                             + "\n" for n in body))
     out, jobs = {}, []
     for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
-                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
+                              ("fault", "hit", ["--fault", fault])):
         out[name] = root / f"{name}.h5"
         jobs.append(["record", str(conv), "--model", str(model), "--speculative-config", spec,
                      "--block-size", str(block), *PIN, "--enforce-eager", "--exact", "--mode", mode,

@@ -26,7 +26,10 @@ class Finding:
             "block_owner" (the block restored from last held another prefix), "initial" (a
             first chunk without a hit that reads its slot, which is not zeros) or
             "first_chunk" (a hit whose first chunk the kernel treats as having no prior state) or
-            "group_hit" (KV-cache groups whose final hit lengths disagree; kind "group_hit").
+            "group_hit" (KV-cache groups whose final hit lengths disagree; kind "group_hit") or
+            "read_before_write" (K/V read at a hit from a block nothing in the run wrote, while
+            the run wrote those tokens' K/V elsewhere: "read, never written", any group, drafters'
+            included).
         request, position, layer, kind, module: the restored tensor (position in tokens:
             the state's boundary, or the end of the K/V block's token range);
             ``kind`` "block_table" for a block-table finding.

@@ -45,6 +45,7 @@ from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
+from statediff.trace.acceptance import acceptance_findings
 from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
@@ -135,7 +136,8 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
             band=BandSummary(judged.band_noise, tuple(judged.band_unsure), policy.default_kind is ToleranceKind.REPLAY_BAND),
-            tolerances=_tolerance_use(judged, policy))
+            tolerances=_tolerance_use(judged, policy),
+            acceptance=acceptance_findings(traces.hit.requests, traces.cold.requests))
 
 
 def _tolerance_use(judged: "_Judging", policy: Policy) -> ToleranceUse:

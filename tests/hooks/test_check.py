@@ -94,7 +94,8 @@ def test_exact_selects_one_block_per_step_in_both_runs(tmp_path):
 
 
 @pytest.mark.parametrize("args,line", [
-    (["--fault", "bogus"], "--fault: unknown fault 'bogus'; known: conv-zero, drafter-kv-zero, drafter-perturb, "
+    (["--fault", "bogus"], "--fault: unknown fault 'bogus'; known: conv-zero, drafter-kv-unwritten, drafter-kv-zero, "
+                           "drafter-perturb, "
                            "drafter-shift, "
                            "group-shortfall, kv-stale, kv-swap, logits, recycled-slot, ssm-bf16, ssm-nan, "
                            "ssm-wrong-block"),

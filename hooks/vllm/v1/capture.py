@@ -321,7 +321,9 @@ class V1Capture:
                     site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "attn",
                                 drafter=is_drafter_layer(li.layer, self.runner))
                     cache = surface.layer_cache(self.ctx[li.name])
-                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id, cache)):
+                    own = site.drafter and not any(x.group == li.group and not is_drafter_layer(x.layer, self.runner)
+                                                   for x in self.attn_all)
+                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id, cache, own)):
                         break
 
     def after_prepare_inputs(self) -> None:
