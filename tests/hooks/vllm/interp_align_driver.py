@@ -6,7 +6,7 @@ Triton's interpreter must be chosen before Triton is imported, so this runs in i
 ``MambaSpecDecodeGPUContext`` come from ``test_mamba_align_cpu.Caches``. Each trial draws random
 inputs, runs vLLM's launcher (``run_fused_precopy`` / ``run_fused_postprocess``) with the real kernels
 (interpreted), then from the same initial bytes with the stand-ins registered in their place
-(``mamba_align_cpu._IMPLS`` through vLLM's override registry), and compares every byte of every
+(``cpu/mamba_align._IMPLS`` through vLLM's override registry), and compares every byte of every
 cache and the kernels' ``num_accepted_tokens_out``. Prints one JSON object.
 """
 
@@ -83,7 +83,7 @@ def main(trials: int) -> dict:
     from vllm.v1.worker import mamba_utils as mu
 
     import test_mamba_align_cpu as t
-    from statediff_hooks.vllm import mamba_align_cpu
+    from statediff_hooks.vllm.cpu import mamba_align as mamba_align_cpu
 
     names = [name.rsplit(".", 1)[1] for name in mamba_align_cpu.KERNELS]
     real = {n: getattr(mu, n) for n in names}

@@ -1,5 +1,5 @@
 """The Triton-interpreter route for Model Runner V2 on a CPU (``hooks/vllm/cpu/triton_interpreter.py``),
-and statediff's mamba align stand-ins (``hooks/vllm/mamba_align_cpu.py``) against vLLM's real kernels
+and statediff's mamba align stand-ins (``hooks/vllm/cpu/mamba_align.py``) against vLLM's real kernels
 run by the interpreter on the same inputs. No engine starts; the interpreter is chosen before Triton is
 imported, so what runs it runs in a subprocess."""
 

@@ -6,6 +6,7 @@ On ``PYTHONPATH`` only where statediff put it (``triton_interpreter.engine_env``
 if any, as Python would have run it without this folder.
 """
 
+import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -14,9 +15,8 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 if os.environ.get("STATEDIFF_TRITON_INTERPRETER") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
     try:
-        from statediff_hooks.vllm.cpu.triton_interpreter import activate
-
-        activate()
+        # by name: this file runs at interpreter start, outside the package
+        importlib.import_module("statediff_hooks.vllm.cpu.triton_interpreter").activate()
     except Exception as e:  # noqa: BLE001 - the plugin refuses in one line once vLLM loads it
         print(f"statediff: Triton interpreter not set up: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
