@@ -143,19 +143,23 @@ def _v2_hooks() -> tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...]:
         (v2.PREPROCESS_STATE, _around(after=lambda cap, a, out: cap.after_preprocess_state())),
         (v2.PREPARE_ATTN_METADATA, _around(after=lambda cap, a, out: cap.after_attn_metadata(out))),
         (v2.INITIALIZE_KV_CACHE, _check_fault_after),
-    )
+    ) + tuple((point, _around(lambda cap, a: cap.before_propose(a), lambda cap, a, out: cap.after_propose(out),
+                              skip=lambda a: bool(a.get("dummy_run"))))
+              for point in v2.SPECULATOR_PROPOSE)  # v2/spec.py; a class missing in this vLLM is skipped
 
 
 def _register_v2() -> None:
     """Model Runner V2's hooks (``_v2_hooks``), where this vLLM has the runner; the capture is the runner's
     that runs (``_capture_for``)."""
-    hooks = []
+    from .v2 import surface as v2
+
     try:
-        hooks = [(point, factory, point.target()) for point, factory in _v2_hooks()]
+        v2.EXECUTE_MODEL.target()
     except (ImportError, AttributeError):
         return  # no Model Runner V2 in this vLLM
-    for point, factory, _ in hooks:
-        _patch(point, factory)
+    for point, factory in _v2_hooks():
+        if _target_or_none(point) is not None and hasattr(point.target(), point.name):
+            _patch(point, factory)
 
 
 def register() -> None:

@@ -28,9 +28,9 @@ like a V1 one); *where* V2 keeps it differs, and this module reads it there
   ``postprocess_state`` re-aligns it after speculative acceptance).
 
 Speculative decoding: the drafter's own attention layers are KV-cache groups
-like the target's and are read the same way; the drafter's inputs
-(``speculator.propose``) are not recorded by this module (run field
-``drafter`` null).
+like the target's and are read the same way; the hidden states handed to the
+speculator (``speculator.propose``) and the acceptance of each verification
+step are ``v2/spec.py``'s.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from .faults import DeviceBlockTableRow
 
 #: Planted faults the V2 capture cannot plant (refused at engine start: ``plugin.check_fault_at_start``).
 UNSUPPORTED_FAULTS = {"logits": "the sampler's input is not hooked on Model Runner V2",
-                      "drafter-perturb": "drafter inputs are not captured on Model Runner V2",
-                      "drafter-shift": "drafter inputs are not captured on Model Runner V2"}
+                      "drafter-shift": "the rows the drafter model receives inside the speculator are not read "
+                                       "on Model Runner V2"}
 
 
 class V2Capture(V1Capture):
@@ -56,12 +56,15 @@ class V2Capture(V1Capture):
         self.input_batch: Any = None  # this step's InputBatch (prepare_attn)
         self.batch_tables: tuple[torch.Tensor, ...] = ()  # block tables in batch order (prepare_attn's output)
         self.metadata: dict[str, Any] = {}  # this step's attention metadata, layer name -> metadata
+        self.scheduler_output: Any = None  # this step's (the drafter capture reads its draft tokens)
         super().__init__(recorder, runner)
 
     # -- where V2 keeps it ----------------------------------------------------
 
     def _drafter_capture(self) -> Any:
-        return None  # drafter inputs: not captured on V2 (module docstring)
+        from .spec import V2SpecCapture
+
+        return V2SpecCapture(self)
 
     def _request_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
         return v2.slot_block_ids(self.runner, req_id)
@@ -83,6 +86,10 @@ class V2Capture(V1Capture):
         return self.metadata.get(layer_name)
 
     # -- the patched methods ------------------------------------------------------
+
+    def before_execute(self, so: Any) -> None:
+        self.scheduler_output = so
+        super().before_execute(so)
 
     def before_prepare_attn(self, input_batch: Any) -> None:
         """The slot rows are on the device, not yet gathered: a planted KV fault edits them here."""

@@ -56,9 +56,23 @@ PREPROCESS_STATE = PatchPoint(_MAMBA, "MambaHybridModelState", "preprocess_state
 #: ``MambaHybridModelState.prepare_attn(...)`` -> this step's attention metadata (layer name -> metadata).
 PREPARE_ATTN_METADATA = PatchPoint(_MAMBA, "MambaHybridModelState", "prepare_attn")
 
+_SPEC = "vllm.v1.worker.gpu.spec_decode"
+#: ``propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+#: num_rejected, ...)`` -> drafts ``[num_reqs, K]``, of each speculator class that defines it
+#: (``spec_decode/speculator.py`` ``BaseSpeculator``; DFlash2 and DSpark inherit DFlash's). Optional: a class
+#: missing in a vLLM version is skipped (its drafter's inputs are then not recorded).
+SPECULATOR_PROPOSE = (
+    PatchPoint(f"{_SPEC}.target_dependent_ar.speculator", "TargetDependentARSpeculator", "propose"),  # EAGLE, MTP
+    PatchPoint(f"{_SPEC}.dflash.speculator", "DFlashSpeculator", "propose"),
+    PatchPoint(f"{_SPEC}.multi_module_mtp.speculator", "MultiModuleMTPSpeculator", "propose"),
+    PatchPoint(f"{_SPEC}.standalone_ar.speculator", "StandaloneARSpeculator", "propose"),
+    PatchPoint(f"{_SPEC}.ngram.speculator", "NgramGPUSpeculator", "propose"),
+    PatchPoint(f"{_SPEC}.extract_hidden_states", "ExtractHiddenStatesSpeculator", "propose"),
+)
+
 #: The patch points of the V2 capture, for the version surface check (``hooks/vllm/surface.py``).
 PATCH_POINTS = (EXECUTE_MODEL, SAMPLE_TOKENS, PREPARE_ATTN, INITIALIZE_KV_CACHE, PREPROCESS_STATE,
-                PREPARE_ATTN_METADATA)
+                PREPARE_ATTN_METADATA, *SPECULATOR_PROPOSE)
 
 
 def is_v2_runner(runner: Any) -> bool:
