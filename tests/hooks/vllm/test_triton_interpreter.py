@@ -93,3 +93,26 @@ def test_the_align_stand_ins_copy_what_the_real_kernels_copy_in_the_interpreter(
     assert out["has_triton"] and out["interpreted"] == ["InterpretedFunction", "InterpretedFunction"]
     assert out["mismatches"] == []
     assert out["trials"] == 8 and out["copies"] > 8 and out["changed_trials"] >= 6  # the kernels did copy
+
+
+def test_a_multiprocess_v2_engine_runs_with_the_route_in_every_process(tiny_model):
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` with spawned processes (engine core, worker): each starts from the
+    environment ``prepare_process`` set, so the site folder sets the interpreter up before vLLM is imported
+    there, and the plugin's ``install`` (``STATEDIFF_ENGINE_PATCHES=1``) checks in each that vLLM sees Triton;
+    without it V2 cannot start on a CPU ("Model Runner V2 requires Triton")."""
+    r = _child(f"""
+        import os
+        from statediff_hooks.vllm.cpu import triton_interpreter as ti
+        if __name__ == "__main__":
+            assert ti.prepare_process()
+            from vllm import LLM, SamplingParams
+            llm = LLM(model={str(tiny_model)!r}, dtype="bfloat16", max_model_len=256, enable_prefix_caching=True,
+                      mamba_ssm_cache_dtype="float32", enforce_eager=True, block_size=32)
+            out = llm.generate([{{"prompt_token_ids": list(range(5, 80))}}], SamplingParams(max_tokens=2, temperature=0))
+            print("TOKENS", len(out[0].outputs[0].token_ids), flush=True)
+            os._exit(0)
+    """, {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+          "STATEDIFF_ENGINE_PATCHES": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TOKENS 2" in r.stdout.splitlines()
+    assert "(Worker pid=" in r.stderr and "Using V2 Model Runner" in r.stderr  # a spawned worker ran V2
