@@ -158,7 +158,11 @@ def _register_v2() -> None:
     except (ImportError, AttributeError):
         return  # no Model Runner V2 in this vLLM
     for point, factory in _v2_hooks():
-        if _target_or_none(point) is not None and hasattr(point.target(), point.name):
+        try:
+            present = hasattr(point.target(), point.name)
+        except Exception:  # noqa: BLE001 - a speculator module this vLLM lacks or cannot import: its drafter unrecorded
+            present = False
+        if present:
             _patch(point, factory)
 
 
