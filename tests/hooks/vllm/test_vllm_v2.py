@@ -5,8 +5,8 @@ Triton kernels in Triton's interpreter, ``hooks/vllm/cpu/triton_interpreter.py``
 The same answers as on V1 (``test_vllm_check.py``, ``test_vllm_audit.py``): a fault-free ``check`` is SAME
 with ``model_runner`` v2 in both traces; a planted SSM wrong-block restore is named at the same request,
 position, layer and tensor by the audit and by compare; each planted restore fault is named by the audit of
-the hit run alone (conv-zero, kv-swap; V1's other restore faults plant through the same targets);
-hybrid + MTP with prefix hits. Each recording is its own engine (a fault fires once): two checks, two hit
+the hit run alone (conv-zero, kv-swap, kv-stale; ssm-bf16 and ssm-nan plant through the GDN target);
+hybrid + MTP with prefix hits. Each recording is its own engine (a fault fires once): two checks, three hit
 runs and the MTP trio.
 """
 
@@ -90,7 +90,7 @@ def test_a_planted_ssm_wrong_block_is_named_as_on_v1(checks):
     assert [(d["request"], d["position"], d["layer"], d["kind"]) for d in roots] == [(2, 512, 1, "gdn.ssm_state")]
 
 
-@pytest.mark.parametrize("fault", ["conv-zero", "kv-swap"])
+@pytest.mark.parametrize("fault", ["conv-zero", "kv-swap", "kv-stale"])
 def test_each_restore_fault_is_named_by_the_audit_of_a_v2_hit_run_as_on_v1(audited, fault):
     key, diagnosis = V1_AUDIT[fault]
     r = audited(fault)
