@@ -50,7 +50,7 @@ UNSUPPORTED_FAULTS = {"logits": "the sampler's input is not hooked on Model Runn
 
 
 class V2Capture(V1Capture):
-    """Per-process capture state for one Model Runner V2; driven by the patched methods (``plugin.V2_HOOKS``)."""
+    """Per-process capture state for one Model Runner V2; driven by the patched methods (``plugin._v2_hooks``)."""
 
     def __init__(self, recorder: Any, runner: Any) -> None:
         self.input_batch: Any = None  # this step's InputBatch (prepare_attn)
