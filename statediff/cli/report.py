@@ -30,7 +30,8 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
     commands that reproduce it; 'unknown' where the traces do not say.
     Tensor-parallel recordings: give each set's rank-0 trace; the record is the
     root rank's, its title names the rank.
-    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error.
+    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error
+    or CANNOT JUDGE (--json: "verdict": "cannot-judge"; an error prints no JSON).
     """
     from statediff.incident.record import build_report
 
