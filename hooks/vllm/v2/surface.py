@@ -61,14 +61,18 @@ _SPEC = "vllm.v1.worker.gpu.spec_decode"
 #: num_rejected, ...)`` -> drafts ``[num_reqs, K]``, of each speculator class that defines it
 #: (``spec_decode/speculator.py`` ``BaseSpeculator``; DFlash2 and DSpark inherit DFlash's). Optional: a class
 #: missing in a vLLM version is skipped (its drafter's inputs are then not recorded).
-SPECULATOR_PROPOSE = (
-    PatchPoint(f"{_SPEC}.target_dependent_ar.speculator", "TargetDependentARSpeculator", "propose"),  # EAGLE, MTP
-    PatchPoint(f"{_SPEC}.dflash.speculator", "DFlashSpeculator", "propose"),
-    PatchPoint(f"{_SPEC}.multi_module_mtp.speculator", "MultiModuleMTPSpeculator", "propose"),
-    PatchPoint(f"{_SPEC}.standalone_ar.speculator", "StandaloneARSpeculator", "propose"),
-    PatchPoint(f"{_SPEC}.ngram.speculator", "NgramGPUSpeculator", "propose"),
-    PatchPoint(f"{_SPEC}.extract_hidden_states", "ExtractHiddenStatesSpeculator", "propose"),
-)
+PROPOSE_TARGET_DEPENDENT_AR = PatchPoint(f"{_SPEC}.target_dependent_ar.speculator", "TargetDependentARSpeculator",
+                                        "propose", optional=True)  # EAGLE, EAGLE-3, MTP
+PROPOSE_DFLASH = PatchPoint(f"{_SPEC}.dflash.speculator", "DFlashSpeculator", "propose", optional=True)
+PROPOSE_MULTI_MODULE_MTP = PatchPoint(f"{_SPEC}.multi_module_mtp.speculator", "MultiModuleMTPSpeculator", "propose",
+                                      optional=True)
+PROPOSE_STANDALONE_AR = PatchPoint(f"{_SPEC}.standalone_ar.speculator", "StandaloneARSpeculator", "propose",
+                                   optional=True)
+PROPOSE_NGRAM = PatchPoint(f"{_SPEC}.ngram.speculator", "NgramGPUSpeculator", "propose", optional=True)
+PROPOSE_EXTRACT_HIDDEN_STATES = PatchPoint(f"{_SPEC}.extract_hidden_states", "ExtractHiddenStatesSpeculator",
+                                           "propose", optional=True)
+SPECULATOR_PROPOSE = (PROPOSE_TARGET_DEPENDENT_AR, PROPOSE_DFLASH, PROPOSE_MULTI_MODULE_MTP, PROPOSE_STANDALONE_AR,
+                      PROPOSE_NGRAM, PROPOSE_EXTRACT_HIDDEN_STATES)
 
 #: The patch points of the V2 capture, for the version surface check (``hooks/vllm/surface.py``).
 PATCH_POINTS = (EXECUTE_MODEL, SAMPLE_TOKENS, PREPARE_ATTN, INITIALIZE_KV_CACHE, PREPROCESS_STATE,
