@@ -123,5 +123,6 @@ def test_a_multiprocess_v2_engine_runs_with_the_route_in_every_process(tiny_mode
           "STATEDIFF_ENGINE_PATCHES": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "TOKENS 2" in r.stdout.splitlines()
-    ran_v2 = re.findall(r"\((\w+) pid=\d+\)[^\n]*Using V2 Model Runner", r.stderr)
-    assert ran_v2 and "MainProcess" not in ran_v2, r.stderr[-3000:]  # a spawned process ran V2
+    logs = r.stdout + r.stderr  # vLLM logs to stdout
+    ran_v2 = re.findall(r"\((\w+) pid=\d+\)[^\n]*Using V2 Model Runner", logs)
+    assert ran_v2 and "MainProcess" not in ran_v2, logs[-3000:]  # a spawned process ran V2
