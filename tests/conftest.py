@@ -222,22 +222,24 @@ _RECORDS = ("import json, sys\nfrom statediff.cli import cli\n"
             "print('CODES=' + json.dumps(codes))\n")
 
 
-def run_records(jobs: list[list[str]], timeout: int = 1500) -> tuple[list[int], str]:
+def run_records(jobs: list[list[str]], timeout: int = 1500, env: dict | None = None) -> tuple[list[int], str]:
     """Run ``statediff`` command lines (e.g. ``["record", ...]``) one after another in one subprocess:
     one vLLM import for all of them. Returns each command's exit code (empty if the process failed
     or died before printing them) and the process's stderr (for an assertion message)."""
     r = subprocess.run([sys.executable, "-c", _RECORDS, json.dumps(jobs)], capture_output=True, text=True,
-                       env=os.environ | ENGINE_ENV, timeout=timeout)
+                       env=os.environ | ENGINE_ENV | (env or {}), timeout=timeout)
     codes = [json.loads(ln[len("CODES="):]) for ln in r.stdout.splitlines() if ln.startswith("CODES=")]
     return (codes[0] if r.returncode == 0 and codes else []), r.stderr
 
 
 def record_spec_trio(root: Path, model: Path, spec: str, body: list[int], max_tokens: int,
-                     block: int, fault: str = "drafter-kv-zero") -> dict[str, Path]:
+                     block: int, fault: str = "drafter-kv-zero", env: dict | None = None,
+                     timeout: int = 1500) -> dict[str, Path]:
     """Record, in exact replay at ``block`` tokens, a conversation whose prompts extend each other
     (``body`` prompt lengths plus 3 closing tokens each) on ``model`` with the ``--speculative-config``
     JSON ``spec``: a hit run, a cold run and a hit run with ``--fault FAULT`` (default
-    ``drafter-kv-zero``), all in one subprocess. Returns the paths {"hit", "cold", "fault"}."""
+    ``drafter-kv-zero``), all in one subprocess (``env``: more environment, e.g.
+    ``VLLM_USE_V2_MODEL_RUNNER=1``). Returns the paths {"hit", "cold", "fault"}."""
     tokens = [3 + (37 * i + i * i) % 900 for i in range(max(body))]
     conv = root / "conv.jsonl"
     conv.write_text("".join(json.dumps({"prompt_token_ids": tokens[:n] + [1, 950, 951], "max_tokens": max_tokens})
@@ -249,7 +251,7 @@ def record_spec_trio(root: Path, model: Path, spec: str, body: list[int], max_to
         jobs.append(["record", str(conv), "--model", str(model), "--speculative-config", spec,
                      "--block-size", str(block), *PIN, "--enforce-eager", "--exact", "--mode", mode,
                      "-o", str(out[name]), "--no-progress", *extra])
-    codes, stderr = run_records(jobs)
+    codes, stderr = run_records(jobs, timeout=timeout, env=env)
     assert codes == [0] * len(jobs), stderr[-3000:]
     return out
 

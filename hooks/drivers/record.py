@@ -221,6 +221,10 @@ def make_recording(options: RecordingOptions) -> RecordingResult:
             conversation or the model are at fault; otherwise the engine's refusal or
             failure (a replay that failed part way leaves its trace marked incomplete).
     """
+    if options.engine != "transformers":  # Model Runner V2 on a CPU: before anything imports Triton
+        from ..vllm.replay import prepare_runner
+
+        prepare_runner()
     keep, reference = check_options(options)
     inputs = read_inputs(options, keep)
     if options.engine == "transformers":

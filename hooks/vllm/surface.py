@@ -346,7 +346,7 @@ GET_COMPUTED_BLOCKS = PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManage
 SCHEDULER_INIT = PatchPoint(_SCHEDULER, "Scheduler", "__init__")
 #: ``Scheduler._mamba_block_aligned_split(request, num_new_tokens, ...)``: clips each hybrid prefill chunk.
 SCHEDULER_SPLIT = PatchPoint(_SCHEDULER, "Scheduler", "_mamba_block_aligned_split")
-#: Model Runner V2 (``v1/worker/gpu/model_runner.py``): no adapter; its ``__init__`` is refused.
+#: Model Runner V2 (``v1/worker/gpu/model_runner.py``): its capture's patch points are in ``v2/surface.py``.
 RUNNER_V2_INIT = PatchPoint("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "__init__", optional=True)
 
 

