@@ -1,5 +1,7 @@
 """The vLLM adapter (vLLM 0.32, V1 model runner).
 
+``entry`` is what vLLM calls in every process (the ``vllm.general_plugins``
+entry point: it imports the rest only when a ``STATEDIFF_*`` variable asks);
 ``plugin`` is the only module that patches vLLM; ``surface`` names every
 vLLM internal the capture reaches (version check, patch points, reads);
 the capture modules decide what to read and when: ``v1`` (GDN state and
