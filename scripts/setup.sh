@@ -6,6 +6,8 @@
 # version, e.g. STATEDIFF_VLLM=0.29.0 STATEDIFF_VENV=/work/venvs/vllm-0.29.
 # On a GPU box, install the `vllm` wheel into your own environment instead and
 # run `pip install -e .` there; this script is for CPU machines and CI.
+# STATEDIFF_WHEEL=PATH installs that built wheel instead, not editable and without extras,
+# as `pip install statediff` does (scripts/wheel_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STATEDIFF_VENV:-.venv}
@@ -24,4 +26,9 @@ if [ "${have%%+*}" != "$VLLM" ]; then
   # The PyPI builds these pull in are CUDA-linked and break `from vllm import LLM`.
   pip uninstall -y torchvision torchaudio torchcodec || true
 fi
-pip install -e ".[test,plot]"
+if [ -n "${STATEDIFF_WHEEL:-}" ]; then
+  pip uninstall -y statediff >/dev/null 2>&1 || true  # a rebuilt wheel keeps its version number
+  pip install "$STATEDIFF_WHEEL"
+else
+  pip install -e ".[test,plot]"
+fi
