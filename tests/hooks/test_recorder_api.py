@@ -1,5 +1,5 @@
 """Adapters talk to the trace writer only through ``Recorder`` (issue 22): no module of the engine
-side other than ``hooks/recorder.py`` reaches a ``TraceWriter`` or its private records.
+side other than ``hooks/recording/recorder.py`` reaches a ``TraceWriter`` or its private records.
 
 Walks the source with ``ast`` (nothing is imported, so this runs without torch).
 """
@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OWNER = REPO / "hooks" / "recorder.py"
+OWNER = REPO / "hooks" / "recording" / "recorder.py"
 #: Attributes that reach the writer (``rec.writer``/``rec._writer``) or its private
 #: request and run records (``writer._requests``/``writer._run``).
 FORBIDDEN_ATTRIBUTES = frozenset({"writer", "_writer", "_requests", "_run"})
