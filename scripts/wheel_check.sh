@@ -7,6 +7,8 @@
 # (`statediff check` on the built-in tiny model). One line per step; the first step that
 # fails prints its output's tail and exits 1. The wheel is built with ./.venv's setuptools
 # (offline), from a copy of the sources without build/ or bytecode.
+# --install: build and install only; --run: the checks only, on a venv that --install filled
+# from these very sources (scripts/test.sh installs while the suite runs: mostly downloads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -33,13 +35,25 @@ holds() {
   grep -qF -- "$2" "$work/logs/$1.log" || { echo "wheel check: $1: FAILED: no line with '$2' in:"; tail -n 40 "$work/logs/$1.log"; exit 1; }
 }
 
-[ -x .venv/bin/python ] || bash scripts/setup.sh  # the build's setuptools
-tar --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml setup.py README.md statediff hooks | tar -xf - -C "$work/src"
-step build 0 .venv/bin/python -m pip wheel --no-deps --no-build-isolation --no-index -q -w "$work/dist" "$work/src"
-wheel=$(echo "$work"/dist/statediff-*.whl)
-echo "wheel check: built $(basename "$wheel"), $(.venv/bin/python -m zipfile -l "$wheel" | tail -n +2 | wc -l) files"
-step install 0 env STATEDIFF_VENV="$venv" STATEDIFF_WHEEL="$wheel" bash scripts/setup.sh
-setup_s=$((SECONDS - start))
+mode=${1:-all}
+case $mode in all|--install|--run) ;; *) echo "usage: $0 [--install|--run]" >&2; exit 2 ;; esac
+sources() { tar --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml setup.py README.md statediff hooks; }
+stamp="$venv/statediff-sources.sha256"  # which sources the installed wheel was built from
+if [ "$mode" != --run ]; then
+  [ -x .venv/bin/python ] || bash scripts/setup.sh  # the build's setuptools
+  sources | tar -xf - -C "$work/src"
+  step build 0 .venv/bin/python -m pip wheel --no-deps --no-build-isolation --no-index -q -w "$work/dist" "$work/src"
+  wheel=$(echo "$work"/dist/statediff-*.whl)
+  echo "wheel check: built $(basename "$wheel"), $(.venv/bin/python -m zipfile -l "$wheel" | tail -n +2 | wc -l) files"
+  rm -f "$stamp"
+  step install 0 env STATEDIFF_VENV="$venv" STATEDIFF_WHEEL="$wheel" bash scripts/setup.sh
+  sources | sha256sum >"$stamp"
+  echo "wheel check: built and installed in $((SECONDS - start)) s"
+  [ "$mode" = all ] || exit 0
+elif ! sources | sha256sum | cmp -s - "$stamp"; then
+  echo "wheel check: FAILED: $venv holds no wheel of these sources (run $0 --install first)"
+  exit 1
+fi
 
 cd "$work/run"  # outside the checkout: only the installed wheel can answer
 unset PYTHONPATH
@@ -69,4 +83,4 @@ step check 0 statediff check "$repo/traces/conversation.jsonl" --model tiny --bl
 for f in hit.h5 cold.h5 audit.json compare.json report.md; do
   [ -s "$work/check/$f" ] || { echo "wheel check: check: FAILED: it wrote no $f"; exit 1; }
 done
-echo "wheel check: passed in $((SECONDS - start)) s (build and install $setup_s s, check $((SECONDS - check_start)) s)"
+echo "wheel check: passed in $((SECONDS - start)) s (statediff check $((SECONDS - check_start)) s)"
