@@ -66,10 +66,11 @@ def prompts() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 class _Run:
-    def __init__(self, path: Path, keep: str | None, fault: str | None) -> None:
+    def __init__(self, path: Path, keep: str | None, fault: str | None, mode: str = "hit") -> None:
         run = dict(engine="synthetic", engine_version="0", model="audit-synth", architecture="Qwen3NextForCausalLM",
                    config_digest="c0ffee", dtype="bfloat16", block_size=BS, mamba_block_size=BS,
-                   mamba_cache_mode="align", prefix_caching=True, mode="hit", replay="default", seed=0,
+                   mamba_cache_mode="align", prefix_caching=True, mode=mode, replay="default", seed=0,
+                   cold_policy="cache_salt" if mode == "cold" else None,
                    layers=[{"layer": GDN, "module": MODULES[GDN], "type": "gdn", "group": 0, "block_size": BS},
                            {"layer": ATTN, "module": MODULES[ATTN], "type": "attn", "group": 1,
                             "block_size": BS}],
@@ -175,6 +176,41 @@ def write_hit_run(path: str | Path, fault: str | None = None, keep: str | None =
                                                        ("prefill", fault != "hit-ignores-state", 6, 48))):
             w.update_request(i, first_chunk={"start": start, "layers": {
                 str(GDN): {"treated_as": how, "prior_state": prior, "slot": slot}}})
+    w.end_step()
+    w.close()
+    return Path(path)
+
+
+def write_cold_run(path: str | Path, keep: str | None = "none") -> Path:
+    """The cold run of the same four requests: mode cold (every request its own ``cache_salt``, so
+    no hit), each state and K/V block computed from its own prefix into blocks of its own, at the
+    (request, position, layer, kind) keys the hit run records (``write_hit_run``: what a cold run
+    split like it holds there). ``keep`` as for ``write_hit_run``; no fault."""
+    reqs = prompts()
+    s = [p + o for p, o in reqs]
+    run = _Run(Path(path), keep, None, mode="cold")
+    w = run.w
+    for i, (p, _) in enumerate(reqs):
+        w.begin_request(i, f"req-{i}", list(p))
+    blocks = iter(range(100, 200))
+    steps = iter(range(100))
+    # (request, states at, K/V blocks up to the end of each step); the hit run's restores computed here
+    plan = ((0, (32,), ((0, 16), (16, 32)), ((32, 40),)), (1, (32, 48), ((0, 16), (16, 32), (32, 48)), ((48, 60),)),
+            (2, (32,), ((0, 16), (16, 32)), ()), (3, (48,), ((0, 16), (16, 32), (32, 48)), ()))
+    for r, states, first, tail in plan:
+        step = next(steps)
+        for pos in states:
+            run.state(s[r], r, pos, step, next(blocks))
+        for start, end in first:
+            run.kv(s[r], r, start, end, step, next(blocks))
+        w.end_step()
+        if tail:
+            step = next(steps)
+            for start, end in tail:
+                run.kv(s[r], r, start, end, step, next(blocks))
+            w.end_step()
+    for i, (_, o) in enumerate(reqs):
+        w.update_request(i, num_cached_tokens=0, output_token_ids=list(o), finished=True)
     w.end_step()
     w.close()
     return Path(path)

@@ -185,3 +185,21 @@ def test_hits_with_no_checkable_restore_are_not_checked_not_clean(tmp_path):
         "values they restore): nothing checkable, so not clean")
     doc = json.loads(CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5"), "--json"]).stdout)
     assert (doc["verdict"], doc["exit_code"]) == ("not_checked", 2)
+
+
+def test_the_text_is_the_one_rendering_of_findings_full_or_brief(tmp_path):
+    """``to_text`` is what ``audit``, ``check`` (``brief``: under its own heading) and the check's report print:
+    the first ``limit`` findings, then how many more and where they are."""
+    r = audit_trace(write_hit_run(tmp_path / "hit.h5", fault="kv-stale"))
+    head = ("RESTORE VIOLATION: first at request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k "
+            "(3 finding(s))")
+    full = r.to_text(limit=1, more="audit.json lists them all").splitlines()
+    assert full[:3] == [head, f"trace: {tmp_path / 'hit.h5'}",
+                        "requests: 4, hits: 2; checked: state 4, kv 10, block_table 4, first_chunk 4, group_hit 2"]
+    assert full[3].startswith("finding 1 (kv): request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k: ")
+    assert full[-1] == "... 2 more finding(s) (audit.json lists them all)"
+    brief = r.to_text(limit=2, brief=True).splitlines()
+    assert brief[0] == head and brief[-1] == "... 1 more finding(s) (--json lists them all)"
+    assert [line.split(":")[0] for line in brief if line.startswith("finding")] == [
+        "finding 1 (kv)", "finding 2 (kv)"]
+    assert not any(line.startswith(("trace: ", "requests: ")) for line in brief)

@@ -404,7 +404,7 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
     if sweep is not None:
         from .sweep import summary as sweep_summary
 
-        lines = tuple(sweep_summary(sweep, res.num_cached_tokens, o.mode))
+        lines = tuple(sweep_summary(sweep, res.num_cached_tokens, o.mode, res.block_size))
     return Replayed(summary, lines, res.stats, res)
 
 

@@ -255,9 +255,11 @@ def check_trace_path(trace: str | None) -> None:
 
 
 def _register_scheduler() -> None:
-    """Exact replay's scheduler wrappers (``v1.sched``), when asked for."""
-    from .v1.sched import exact_wanted, load_plan, wrap_init_exact, wrap_split
+    """The scheduler's own block-drop answer (``v1.sched.wrap_init_note``), and exact replay's scheduler
+    wrappers (``v1.sched``), when asked for."""
+    from .v1.sched import exact_wanted, load_plan, wrap_init_exact, wrap_init_note, wrap_split
 
+    _patch(surface.SCHEDULER_INIT, wrap_init_note)
     plan = load_plan()
     if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
         _patch(surface.SCHEDULER_SPLIT, lambda orig: wrap_split(orig, plan))

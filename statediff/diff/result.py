@@ -39,7 +39,7 @@ from .diagnose import Diagnosis
 from .metrics import PairMetrics
 from .drafts import DraftDiff
 from .outputs import OutputDiff
-from .tolerance import Tolerance
+from .tolerance import Tolerance, ToleranceUse
 
 MAX_UNPAIRED_LISTED = 5
 
@@ -483,6 +483,8 @@ class CompareResult:
     near_ties: tuple[OutputDiff, ...] = ()
     # default replay: what the noise model (band.py) cleared or could not judge
     band: BandSummary = BandSummary()
+    # which policy rule judged how many pairs; the default that judged pairs no rule matched
+    tolerances: ToleranceUse = ToleranceUse()
 
     @property
     def stopped_early(self) -> bool:
@@ -635,7 +637,8 @@ class CompareResult:
         if self.outside_text():
             out.append(self.outside_text())
         out += [f"hit:  {self.hit.to_text()}", f"cold: {self.cold.to_text()}",
-                f"tolerance: {self.policy}", self.summary(), self.outputs_text()]
+                f"tolerance: {self.policy}", *filter(None, [self.tolerances.to_text()]), self.summary(),
+                self.outputs_text()]
         out += [t for t in (self.inputs_differ.to_text(), self.digests.to_text(), self.band.to_text()) if t]
         out += [f"block table: {b.text()} ({b.side} run)" for b in self.block_tables]
         out += [f"warning: {w}" for w in self.warnings]
@@ -683,6 +686,7 @@ class CompareResult:
             "hit": self.hit.to_json(),
             "cold": self.cold.to_json(),
             "tolerance_policy": self.policy,
+            "tolerances": self.tolerances.to_json(),
             "outputs_policy": self.outputs_policy,
             "warnings": self.warnings,
             "pairs": self.pairs,

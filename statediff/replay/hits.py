@@ -53,6 +53,15 @@ def drops_last_block(run: Mapping[str, Any]) -> bool:
     return run.get("speculative_method") in HIDDEN_STATE_DRAFTERS
 
 
+def hash_lookahead(run: Mapping[str, Any]) -> int:
+    """Tokens after each block that the engine's prefix-cache hash also covers (``version_facts
+    .hash_lookahead_tokens``, vLLM 0.33+ with an EAGLE-style drafter; 0 when not recorded): a
+    block is then a hit only when those tokens match too (``HitLedger``)."""
+    facts = run.get("version_facts")
+    n = facts.get("hash_lookahead_tokens") if isinstance(facts, Mapping) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
 def replay_boundary(length: int, block_size: int) -> int:
     """Tokens whose recurrent state align mode keeps after a prefill of ``length`` tokens.
 
@@ -87,15 +96,21 @@ class HitLedger:
 
     Args:
         block_size: ``B``, tokens per block the prefix cache hashes by (> 0).
+        lookahead: ``L``, tokens after each block its hash also covers (``hash_lookahead``; vLLM
+            0.33 ``kv_cache_utils.get_request_block_hasher``): block ``k`` of a prompt is a hit only
+            when the ``L`` tokens after it are in the prompt and equal those an earlier stream had
+            there.
 
     Raises:
         ValueError: ``block_size`` < 1.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lookahead: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block size must be a positive integer, not {block_size!r}")
         self.block_size = block_size
+        self.lookahead = lookahead
+        self._ahead: dict[int, set[tuple[int, ...]]] = {}  # node -> the L tokens streams had after it
         # trie of whole blocks: (parent node, block tokens) -> node; node 0 is the empty prefix
         self._child: dict[tuple[int, tuple[int, ...]], int] = {}
         self._first: list[int] = [-1]  # node -> earliest request whose stream holds it
@@ -112,6 +127,9 @@ class HitLedger:
             if child is None:
                 break
             upper = k + 1
+            if self.lookahead and tuple(prompt[(k + 1) * b:(k + 1) * b + self.lookahead]) not in \
+                    self._ahead.get(child, ()):
+                break  # the block's hash covers the tokens after it: they differ, or the prompt ends first
             if self._computed[child]:  # ancestors of a computed block are computed (same stream)
                 node, depth = child, k + 1
             if child in self._kept:
@@ -140,6 +158,9 @@ class HitLedger:
             if (k + 1) * b <= computed and not self._computed[child]:
                 self._computed[child], self._first[child] = True, request
             node = child
+            ahead = stream[(k + 1) * b:(k + 1) * b + self.lookahead]
+            if self.lookahead and len(ahead) == self.lookahead:
+                self._ahead.setdefault(node, set()).add(tuple(ahead))
             if k + 1 == keep:
                 self._kept.setdefault(node, request)
 
@@ -283,7 +304,7 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         if not b or b < 1:
             out.append(HitAccount(i, plen, measured, None, None, b))
             continue
-        ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b))
+        ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b, hash_lookahead(run)))
         a = ledger.expect(prompt)
         rec_tokens, rec_src = _int(rec.get("expected_hit_tokens")), _int(rec.get("expected_hit_source"))
         if rec_tokens is not None:  # what the recorder saw as the request began

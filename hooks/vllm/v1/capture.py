@@ -643,6 +643,20 @@ def _linear_kernels(runner: Any) -> dict[str, str]:
         return {}
 
 
+def block_drop_facts(spec: Any, facts: surface.VersionFacts, vllm_config: Any) -> dict[str, Any]:
+    """Run metadata ``version_facts.eagle_block_drop`` (None without a drafter) and
+    ``hash_lookahead_tokens``: the scheduler's own values where it runs in this process
+    (``sched.NOTED``), else derived from the engine's config as its ``__init__`` does
+    (``surface.eagle_block_drop``, ``surface.hash_lookahead_tokens``)."""
+    from .sched import NOTED
+
+    if NOTED:
+        drop, ahead = NOTED["eagle_block_drop"], NOTED["hash_lookahead_tokens"]
+    else:
+        drop, ahead = surface.eagle_block_drop(spec, facts, vllm_config), surface.hash_lookahead_tokens(vllm_config)
+    return {"eagle_block_drop": None if spec is None else bool(drop), "hash_lookahead_tokens": ahead}
+
+
 def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     """Run metadata from the running engine (``docs/trace-format.md``, ``/run``).
 
@@ -671,7 +685,7 @@ def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     spec = vc.speculative_config
     adapter = adapter or surface.check_version()
     fields = adapter.run_fields()
-    fields["version_facts"]["eagle_block_drop"] = surface.eagle_block_drop(spec, adapter.facts)
+    fields["version_facts"].update(block_drop_facts(spec, adapter.facts, vc))
     try:
         digest = config_digest(mc.hf_config.to_dict())
     except Exception:  # noqa: BLE001 - a config that does not serialise: digest unknown

@@ -51,6 +51,7 @@ def test_an_unknown_version_is_refused_in_one_plain_line():
 
 def test_the_override_is_read_from_the_environment(monkeypatch):
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.delenv("STATEDIFF_ALLOW_UNVERIFIED", raising=False)
     with pytest.raises(surface.UnsupportedEngine, match="^vLLM 0.33.0 is not verified"):
         surface.check_version()
@@ -73,7 +74,7 @@ class SpecConfig:
 
 
 def test_the_eagle_drop_is_read_through_the_versions_switch():
-    v029, v032 = surface.VERSIONS[0], surface.VERSIONS[-1]
+    v029, v032 = surface.VERSIONS[0], surface.VERSIONS[3]
     off = SpecConfig("eagle3", disable=True)  # vLLM 0.30+ can switch the drop off
     assert surface.eagle_block_drop(off, v032) is False
     assert surface.eagle_block_drop(off, v029) is True  # 0.29 has no switch: use_eagle decides
@@ -99,15 +100,18 @@ def no_patching(monkeypatch):
 
 def test_install_capture_refuses_an_unknown_version_before_anything_is_patched(monkeypatch, no_patching, tmp_path):
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.delenv("STATEDIFF_ALLOW_UNVERIFIED", raising=False)
     with pytest.raises(StatediffError) as e:
         replay.install_capture({"STATEDIFF_TRACE": str(tmp_path / "t.h5")})
     assert str(e.value) == REFUSAL_033 and no_patching == []
 
 
+@pytest.mark.engine  # install_capture imports vLLM (the capture's patch points)
 def test_the_override_survives_install_capture_and_picks_the_nearest_adapter(monkeypatch, no_patching, tmp_path):
     """The override was lost before: install_capture cleared every STATEDIFF_* variable."""
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.setenv("STATEDIFF_ALLOW_UNVERIFIED", "1")
     monkeypatch.setenv("STATEDIFF_FAULT", "left-over")  # an earlier replay's variable: cleared
     replay.install_capture({"STATEDIFF_TRACE": str(tmp_path / "t.h5")})
@@ -118,7 +122,7 @@ def test_the_override_survives_install_capture_and_picks_the_nearest_adapter(mon
 
 
 def test_the_v2_refusal_says_how_to_select_v1_what_could_hide_and_what_verifying_v2_needs():
-    text = plugin.v2_refusal(surface.VERSIONS[-1])
+    text = plugin.v2_refusal(surface.VERSIONS[3])  # 0.32.0
     assert text == (
         "statediff has no adapter for vLLM Model Runner V2 (v1/worker/gpu/model_runner.py): set "
         "VLLM_USE_V2_MODEL_RUNNER=0 (and leave out hisparse_config and watermark_config, which force V2 on "
