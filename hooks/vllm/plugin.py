@@ -1,7 +1,9 @@
 """vLLM plugin entry point: the only place that patches vLLM.
 
-Declared in pyproject.toml under ``vllm.general_plugins``; vLLM calls
-``register()`` once in every process (front end, engine core, workers).
+vLLM calls ``register()`` once in every process (front end, engine core,
+workers) through ``entry.register``, the ``vllm.general_plugins`` entry point, which
+imports this module only when a variable asks for something (``entry.ASKING``): an
+installed statediff cannot stop a vLLM that did not ask for it.
 It does nothing unless ``STATEDIFF_TRACE`` names a trace path (or exact
 replay's ``STATEDIFF_SPLITS`` / ``STATEDIFF_EXACT_BLOCK`` is set, or
 ``STATEDIFF_LIVE_AUDIT`` names an incident file for a live audit under ``vllm serve``,
