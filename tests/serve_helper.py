@@ -79,6 +79,11 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
+    def metrics(self) -> str:
+        """The text of ``GET /metrics`` (Prometheus exposition format)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as r:
+            return r.read().decode()
+
     def concurrent(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
         """All ``prompts`` at once, one thread each; responses in order."""
         with ThreadPoolExecutor(len(prompts)) as pool:
