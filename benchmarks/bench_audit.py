@@ -2,8 +2,8 @@
 
 1. Capture the audit adds to a recording (engine side, this CPU, torch): per
    request, the first chunk's state read from its slot and summarised
-   (``statediff_hooks.digest.summarize_rows`` of the conv and SSM states of
-   every GDN layer, stacked per kind as ``hooks/vllm/v1.py`` ``Batch`` does),
+   (``statediff_hooks.recording.digest.summarize_rows`` of the conv and SSM states of
+   every GDN layer, stacked per kind as ``hooks/vllm/v1/capture.py`` ``Batch`` does),
    for the tiny hybrid and a 27B-class hybrid (48 GDN layers: SSM (48, 128,
    128) fp32, conv (3, 10240) bf16). The other inputs of the audit (checkpoints,
    the K/V of each completed block, the hit's reads, block tables) were
@@ -49,7 +49,7 @@ def first_chunk_read_ms(shapes: dict, reps: int) -> float:
     """Median ms per request: stack every GDN layer's slot state per kind and summarise it (v1.Batch)."""
     import torch
 
-    from statediff_hooks.digest import summarize_rows
+    from statediff_hooks.recording.digest import summarize_rows
 
     n = shapes["gdn"]
     conv = torch.randn(n + 2, *shapes["conv"]).to(torch.bfloat16)

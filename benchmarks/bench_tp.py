@@ -33,7 +33,7 @@ def main() -> None:
     import torch
 
     from statediff_hooks.drivers.demo import demo_conversation
-    from statediff_hooks.keep import KeepSpec
+    from statediff_hooks.recording.keep import KeepSpec
     from statediff_hooks.tiny.catalog import resolve_model
     from statediff_hooks.vllm.replay import engine_kwargs, replay
 

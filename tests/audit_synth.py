@@ -18,7 +18,7 @@ tokens; request 3's prompt starts with request 1's first 48 tokens. Every
 tensor is a deterministic function of the token prefix it summarises.
 
 Faults (``FAULTS``) corrupt what request 3 restores at step 10, as the
-engine's planted faults do (``hooks/faults.py``): ``ssm-wrong-block`` (the
+engine's planted faults do (``hooks/recording/faults.py``): ``ssm-wrong-block`` (the
 SSM state of position 32), ``conv-zero``, ``ssm-bf16``, ``ssm-nan``,
 ``kv-stale`` / ``kv-swap`` (the runner's block table row of group 1 remapped),
 ``other-request`` (request 2's SSM state), ``reused-block`` (request 2's state
@@ -30,7 +30,7 @@ initial state), ``group-shortfall`` (request 3's attention group, 1, ends its
 hit one block before the GDN group's: request field ``group_hit_tokens``).
 
 First chunks (with ``keep``; request field ``first_chunk`` and role
-``initial``, as ``hooks/vllm/v1.py`` records them): request 0 a prefill
+``initial``, as ``hooks/vllm/v1/capture.py`` records them): request 0 a prefill
 without prior state whose slot 1 holds leftover values (ignored by the
 kernel: not a finding); request 2 treated as a decode reading slot 20, which
 holds zeros; the hits (1, 3) treated as prefills with initial state.

@@ -13,7 +13,7 @@ import click
 
 from statediff.errors import StatediffError
 
-from statediff_hooks.drivers.ablate import DEFAULT_TIMEOUT, load_matrix, run_matrix
+from ..drivers.ablate import DEFAULT_TIMEOUT, load_matrix, run_matrix
 
 
 @click.command("ablate", short_help="Run setups as hit/cold pairs; print a PASS/FAIL table.")

@@ -1,4 +1,4 @@
-"""``statediff check``: the click command over ``statediff_hooks.check.run_check``.
+"""``statediff check``: the click command over ``statediff_hooks.drivers.check.run_check``.
 
 Registered in the ``statediff.commands`` entry-point group (pyproject.toml). Its
 recording options are ``statediff record``'s own parameters (the same names, help
@@ -14,8 +14,8 @@ import click
 
 from statediff.errors import StatediffError
 
-from statediff_hooks.check import CheckOptions, RecordFailed, run_check
-from statediff_hooks.cli.record import engine_side_needed, options_from_params, record
+from ..drivers.check import CheckOptions, RecordFailed, run_check
+from .record import engine_side_needed, options_from_params, record
 
 #: ``record`` parameters ``check`` sets itself (per run) or does not take.
 NOT_FROM_RECORD = ("conversation", "output", "mode", "exact", "exact_split", "split_like", "focus",

@@ -1,5 +1,5 @@
 """``statediff record`` and ``statediff build-tiny-model``: the click commands over
-``statediff_hooks.recording`` and ``statediff_hooks.tiny.catalog``.
+``statediff_hooks.drivers.record`` and ``statediff_hooks.tiny.catalog``.
 
 Registered via the ``statediff.commands`` entry-point group, so ``statediff``
 never imports this. Each command parses options, calls one library function,
@@ -22,9 +22,9 @@ from typing import Any
 import click
 
 from statediff.errors import StatediffError
-from statediff_hooks.provenance import SKIP, command_words, record_argv
-from statediff_hooks.recording import RecordingOptions, make_recording
-from statediff_hooks.tiny.catalog import build_tiny
+from ..recording.provenance import SKIP, command_words, record_argv
+from ..drivers.record import RecordingOptions, make_recording
+from ..tiny.catalog import build_tiny
 
 _D = RecordingOptions(output="", mode="hit")  # the defaults every option below shows
 #: vLLM's ``--dtype`` words (``vllm.config.ModelDType``, vLLM 0.32), refused before any engine otherwise.

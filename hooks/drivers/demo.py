@@ -96,7 +96,7 @@ def builtin_turns(model_dir: str, max_tokens: int, say: Callable[[str], None]) -
     Raises:
         StatediffError: the tokenizer cannot be loaded (``shared.load_tokenizer``).
     """
-    from statediff_hooks.shared import load_tokenizer
+    from ..recording.fields import load_tokenizer
 
     turns = demo_conversation(max_tokens)
     tok = load_tokenizer(model_dir)

@@ -77,7 +77,7 @@ def engine_sweep(kw: dict, *, blocks: int = 2, max_tokens: int = 16, seed: int =
     Raises:
         StatediffError: unreadable model config, or parameters that cannot make a sweep.
     """
-    from statediff_hooks.vllm.limits import actual_block_size
+    from ..vllm.limits import actual_block_size
 
     spec = kw.get("speculative_config")
     k = int(spec.get("num_speculative_tokens") or 0) if isinstance(spec, dict) else 0

@@ -61,7 +61,7 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         FileNotFoundError: an eagle3 ``target`` without ``config.json``.
         ValueError: a bad target for the drafter.
     """
-    from statediff_hooks.tiny.model import build_tiny_dense_model, build_tiny_model
+    from .model import build_tiny_dense_model, build_tiny_model
 
     out = out or tiny_model_dir(seed, kind)
     if kind == "hybrid":
@@ -69,23 +69,23 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
     if kind == "dense":
         return build_tiny_dense_model(out, seed, overwrite=overwrite)
     if kind == "tp":
-        from statediff_hooks.tiny.model import build_tiny_tp_model
+        from .model import build_tiny_tp_model
 
         return build_tiny_tp_model(out, seed=seed, overwrite=overwrite)
     if kind in ("hybrid-fp8", "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"):
-        from statediff_hooks.tiny.formats import build_tiny_quantized_model
+        from .formats import build_tiny_quantized_model
 
         base, fmt = kind.split("-")
         return build_tiny_quantized_model(out, fmt, seed=seed, overwrite=overwrite, mtp=base == "mtp")
     if kind == "mtp":
-        from statediff_hooks.tiny.mtp import build_tiny_mtp_model
+        from .mtp import build_tiny_mtp_model
 
         return build_tiny_mtp_model(out, seed=seed, overwrite=overwrite)
     if kind == "dflash":
-        from statediff_hooks.tiny.dflash import build_tiny_vllm_dflash
+        from .dflash import build_tiny_vllm_dflash
 
         return build_tiny_vllm_dflash(out, target or build_tiny("mtp", seed=seed), seed, overwrite=overwrite)
-    from statediff_hooks.tiny.draft import build_tiny_eagle3
+    from .draft import build_tiny_eagle3
 
     return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)
 
@@ -105,7 +105,7 @@ def tiny_dflash_for(model_dir: str, seed: int = 0) -> Path:
     Raises:
         StatediffError: ``model_dir`` is not a local model directory.
     """
-    from statediff_hooks.tiny.draft import build_tiny_dflash
+    from .draft import build_tiny_dflash
 
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():

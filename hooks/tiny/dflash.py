@@ -44,8 +44,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.shared import config_digest
-from statediff_hooks.tiny.draft import _target_config, _write_drafter
+from ..recording.fields import config_digest
+from .draft import _target_config, _write_drafter
 
 __all__ = ["ANCHOR_FLAG", "ARCHITECTURE", "Q_GAIN", "build_tiny_vllm_dflash", "vllm_dflash_config"]
 
@@ -96,7 +96,7 @@ def vllm_dflash_weights(cfg: dict[str, Any], target_embed: Any, seed: int) -> di
     """``{checkpoint name: bf16 tensor}`` for ``cfg`` and the target's ``[vocab, hidden]`` embedding."""
     import torch
 
-    from statediff_hooks.tiny.model import draw_tensor
+    from .model import draw_tensor
 
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     taps = len(cfg["dflash_config"]["target_layer_ids"])

@@ -54,8 +54,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.shared import config_digest
-from statediff_hooks.tiny.model import GENERATOR_VERSION, MAX_POSITIONS, _dump_json, draw_tensor, write_model_dir
+from ..recording.fields import config_digest
+from .model import GENERATOR_VERSION, MAX_POSITIONS, _dump_json, draw_tensor, write_model_dir
 
 __all__ = ["ARCHITECTURE", "DFLASH_ARCHITECTURE", "DFLASH_MODEL_TYPE", "build_tiny_dflash", "build_tiny_eagle3",
            "dflash_config", "eagle3_config"]

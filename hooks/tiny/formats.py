@@ -153,12 +153,12 @@ def build_tiny_quantized_model(out_dir: str | Path, fmt: str, *, seed: int = 0, 
         KeyError: ``fmt`` is not "fp8" or "nvfp4".
         FileExistsError: ``out_dir`` is non-empty and holds something else.
     """
-    from statediff_hooks.tiny.model import _build_target, _make_weights, _param_specs, tiny_config
+    from .model import _build_target, _make_weights, _param_specs, tiny_config
 
     if FORMATS.get(fmt) is None:
         raise KeyError(f"no quantised tiny format {fmt!r}; choose fp8 or nvfp4")
     if mtp:
-        from statediff_hooks.tiny.mtp import mtp_weights, tiny_mtp_config
+        from .mtp import mtp_weights, tiny_mtp_config
 
         cfg, ignore = tiny_mtp_config(), IGNORE + ["re:.*mtp.*"]
 

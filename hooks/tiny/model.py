@@ -145,7 +145,7 @@ def tiny_config() -> dict[str, Any]:
     }
 
 
-def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+def _param_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:  # long: one checkpoint table, its shapes drawn in the docstring
     """List ``(name, shape, init)`` for every checkpoint tensor.
 
     Names are the Hugging Face hub checkpoint names (per-expert MoE weights,

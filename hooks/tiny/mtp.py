@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from statediff_hooks.tiny.model import _build_target, _make_weights, _param_specs, tiny_config
+from .model import _build_target, _make_weights, _param_specs, tiny_config
 
 __all__ = ["LM_HEAD_EMBED_MIX", "MTP_OUT_SCALE", "build_tiny_mtp_model", "tiny_mtp_config"]
 

@@ -31,9 +31,9 @@ boundary (vLLM's mamba cache mode ``align``).
   (``statediff calibrate``) or replay exactly.
 
 What is recorded (trace keys ``(request, position, layer, kind)``, the same
-as ``vllm/v1.py``; states in vLLM's logical layout, see ``hf_cache``; each
+as ``vllm/v1/capture.py``; states in vLLM's logical layout, see ``hf_cache``; each
 tensor gets a summary, and its data when the keep policy keeps it,
-``statediff_hooks.keep``, through ``Recorder.tensor`` as in vLLM):
+``statediff_hooks.recording.keep``, through ``Recorder.tensor`` as in vLLM):
 
 - at a hit ``h``, after the restore (and a planted fault), before the first
   forward: each GDN layer's conv and SSM state (role ``resumed``), each
@@ -43,7 +43,7 @@ tensor gets a summary, and its data when the keep policy keeps it,
   ``checkpoint``) -- during decoding too, but not with a drafter (as vLLM);
 - after each chunk: the K/V of every block it completed and of the prompt's
   partial tail block (role ``kv_block``; with a drafter only within the prompt);
-- with a drafter: the drafter's input, as ``vllm/spec_v1.py`` records it so
+- with a drafter: the drafter's input, as ``vllm/v1/spec.py`` records it so
   that the two engines' traces align: one ``[hidden]`` row per tapped layer
   ``L`` (``drafter.input``, role ``drafter``, module ``drafter.aux.L``; ``L``
   = the decoder layer whose *input* the feature is, which is transformers'
@@ -65,7 +65,7 @@ cache, accept the greedy-matching prefix (a), and when ``a < K`` restore the
 snapshot and recompute ``[anchor] + drafts[:a]`` (a GDN state cannot be
 cropped). Acceptance counters go into each request record (``acceptance``,
 and ``spec_steps`` = ``[[first draft index, drafts, accepted], ...]``, as
-``vllm/spec_v1.py``). The prefix store also keeps the drafter's input
+``vllm/v1/spec.py``). The prefix store also keeps the drafter's input
 features; each request gets a fresh drafter cache that encodes its whole
 context on the first draft call, where vLLM reuses the drafter's cached K/V
 blocks: the same values (the drafter's context K/V is a per-row function of
@@ -76,7 +76,7 @@ after the restore: ``ssm-wrong-block`` (the SSM state of the entry one block
 earlier), ``conv-zero``, ``ssm-bf16``, ``ssm-nan``, ``kv-stale``, ``kv-swap``
 (the restored K/V rows of one logical block copied over another's); and
 ``drafter-perturb`` (with a drafter: one tapped layer's first rows after the
-hit negated, as ``vllm/spec_v1.py``). Where they fired is in the run
+hit negated, as ``vllm/v1/spec.py``). Where they fired is in the run
 metadata (``fault``); one that never fired is reported on stderr.
 """
 
@@ -95,15 +95,15 @@ import torch
 from statediff.replay.conversation import Turn
 from statediff.errors import StatediffError
 
-from statediff_hooks.faults import FaultPlanter, FaultSpec, Site, parse_fault
-from statediff_hooks.keep import KeepSpec
-from statediff_hooks.recorder import Recorder
-from statediff_hooks.recorder_config import RecorderConfig
-from statediff_hooks.shared import (DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, config_digest,
+from ..recording.faults import FaultPlanter, FaultSpec, Site, parse_fault
+from ..recording.keep import KeepSpec
+from ..recording.recorder import Recorder
+from ..recording.config import RecorderConfig
+from ..recording.fields import (DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, config_digest,
                                     conversation_digest, drafter_rows, keep_row, render_prompts)
-from statediff_hooks.tiny.catalog import tiny_dflash_for
-from statediff_hooks.transformers import prefix_store as hf_cache
-from statediff_hooks.transformers.dflash import DFlashProposer, greedy_accepted, load_drafter
+from ..tiny.catalog import tiny_dflash_for
+from . import prefix_store as hf_cache
+from .dflash import DFlashProposer, greedy_accepted, load_drafter
 
 __all__ = ["TransformersResult", "plan_chunks", "record_transformers"]
 
@@ -299,7 +299,7 @@ class _Replay:
         return None if prev is None else prev.gdn[layer][1]
 
     def _maybe_fault_drafter(self, r: _Req, h: int, end: int, feats: dict[int, torch.Tensor]) -> None:
-        """``drafter-perturb``: negate one tapped layer's first rows after the hit (as ``vllm/spec_v1.py``).
+        """``drafter-perturb``: negate one tapped layer's first rows after the hit (as ``vllm/v1/spec.py``).
 
         Rows ``[h, h + n)``, ``n = min(WINDOW, block, end - h)``, in place, before
         they are recorded, stored or handed to the drafter.
@@ -502,7 +502,7 @@ def record_transformers(turns: list[Turn], model_dir: str | os.PathLike, *, trac
             cores: 3 s vs 15-70 s for the same replay).
         run_extra: more run metadata.
         progress: a progress bar on stderr.
-        keep: which recorded tensors keep their data (``statediff_hooks.keep``; default
+        keep: which recorded tensors keep their data (``statediff_hooks.recording.keep``; default
             ``hits``); every one is summarized (``Recorder.tensor``).
 
     Returns:
@@ -619,7 +619,7 @@ def _run_metadata(model_dir: str, cfg: Any, model: Any, layers: list[hf_cache.La
                   drafter_path: Path | None, prompts: list[list[int]], turns: list[Turn], *, mode: str,
                   exact: bool, block_size: int, dtype: str, seed: int) -> dict:
     """Run metadata of a transformers replay (``docs/trace-format.md``, ``/run``): the keys the vLLM
-    adapter writes, with this engine's values, and the drafter's (``vllm/spec_v1.py``'s keys first)."""
+    adapter writes, with this engine's values, and the drafter's (``vllm/v1/spec.py``'s keys first)."""
     import transformers
 
     return {
@@ -639,7 +639,7 @@ def _run_metadata(model_dir: str, cfg: Any, model: Any, layers: list[hf_cache.La
         "layers": [{"layer": s.layer, "module": s.module, "type": s.kind, "block_size": block_size}
                    for s in layers],
         "drafter": None if draft_model is None else {
-            # the keys vllm/spec_v1.py writes, then transformers-specific ones
+            # the keys vllm/v1/spec.py writes, then transformers-specific ones
             "method": "dflash", "model": str(drafter_path),
             "architecture": (getattr(draft_model.config, "architectures", None) or [type(draft_model).__name__])[0],
             "num_speculative_tokens": int(draft_model.config.block_size) - 1,

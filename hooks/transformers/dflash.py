@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from statediff.errors import StatediffError
-from statediff_hooks.tiny.draft import DFLASH_MODEL_TYPE as MODEL_TYPE
+from ..tiny.draft import DFLASH_MODEL_TYPE as MODEL_TYPE
 
 __all__ = ["MODEL_TYPE", "DFlashProposer", "greedy_accepted", "load_drafter"]
 

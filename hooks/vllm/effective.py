@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from statediff_hooks.vllm import surface
+from . import surface
 
 
 def _dtype_name(t: Any) -> str | None:

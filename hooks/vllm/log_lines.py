@@ -1,4 +1,4 @@
-"""vLLM 0.32's log lines, as the engine log filter (``statediff_hooks.enginelog``) reads them.
+"""vLLM 0.32's log lines, as the engine log filter (``statediff_hooks.vllm.enginelog``) reads them.
 
 - ``LINE``: ``vllm/logger.py`` ``_FORMAT``, e.g. ``(MainProcess pid=1) WARNING
   11-30 10:18:26 [cpu.py:224] message`` (the process prefix only under

@@ -102,7 +102,7 @@ class AuditMetrics:
     engine step, when ``spent`` sees that the recorder's step count moved.
 
     Args:
-        recorder: the live ``Recorder`` (``statediff_hooks.recorder``): its ``step`` and its
+        recorder: the live ``Recorder`` (``statediff_hooks.recording.recorder``): its ``step`` and its
             ``LiveAuditor`` (``auditor``: ``checked``, ``not_checkable``, ``violations`` counters).
         rank: tensor-parallel rank (label ``rank``).
         directory: where to write; default ``metrics_dir()``.

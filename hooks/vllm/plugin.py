@@ -8,7 +8,7 @@ replay's ``STATEDIFF_SPLITS`` / ``STATEDIFF_EXACT_BLOCK`` is set, or
 ``statediff.audit.live``, or ``STATEDIFF_ENGINE_PATCHES=1`` asks for the engine patches alone), and
 ``STATEDIFF_DISABLE=1`` is a kill switch. Active, it first installs the
 engine patches this platform needs for the engine to run at all
-(``install_engine_patches``: today the CPU stand-ins of ``mamba_align_cpu``);
+(``install_engine_patches``: today the CPU stand-ins of ``cpu.mamba_align``);
 the trace records them (run field ``engine_patches``). vLLM is imported lazily, the
 original methods are kept (``unregister()`` restores them), and an engine
 version or runner statediff has not verified fails loudly instead of
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from statediff.errors import first_line
-from statediff_hooks.vllm import metrics, surface
-from statediff_hooks.vllm.surface import UnsupportedEngine, check_version
+from . import metrics, surface
+from .surface import UnsupportedEngine, check_version
 
 __all__ = ["RecordingRefused", "UnsupportedEngine", "annotate_request", "check_version", "close", "fault_fired",
            "mark_stopped", "register", "reset", "unregister"]
@@ -119,7 +119,7 @@ CAPTURE_HOOKS: tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...] = (
     (surface.PREPARE_INPUTS, _around(lambda cap, a: cap.before_prepare_inputs(),
                                      lambda cap, a, out: cap.after_prepare_inputs())),
     (surface.PREPROCESS_MAMBA, _around(after=lambda cap, a, out: cap.after_preprocess_mamba(a["mamba_state_idx"]))),
-    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a),  # spec_v1.py
+    (surface.PROPOSE_DRAFT, _around(lambda cap, a: cap.before_propose(a),  # v1/spec.py
                                     lambda cap, a, out: cap.after_propose(out))),
     # inside the forward context, before the kernels: first chunks' GDN metadata (statediff audit)
     (surface.MODEL_FORWARD, _around(lambda cap, a: cap.before_forward())),
@@ -149,13 +149,13 @@ def register() -> None:
         _note_uncaught_exceptions()  # every process: the front end of a multi-process engine too
     for point, factory in CAPTURE_HOOKS:
         _patch(point, factory)
-    try:  # the rows the drafter model receives inside the proposer (proposer_v1.py)
+    try:  # the rows the drafter model receives inside the proposer (v1/proposer.py)
         _patch(surface.PROPOSER_FIRST_PASS, _around(after=lambda cap, a, out: cap.after_first_pass(a, out)))
     except (ImportError, AttributeError):
         pass  # no such proposer in this vLLM: the role is not recorded
     _patch(surface.INITIALIZE_KV_CACHE, _check_fault_after)  # refuse a fault that cannot act
     if os.environ.get("STATEDIFF_TRACE") or live:  # each KV-cache group's final hit (statediff audit)
-        from statediff_hooks.vllm.group_hits_v1 import wrap_get_computed_blocks
+        from .v1.group_hits import wrap_get_computed_blocks
 
         _patch(surface.GET_COMPUTED_BLOCKS, wrap_get_computed_blocks)
     if _fault_name() == "logits":  # the logits path is hooked only for the fault that edits it
@@ -171,7 +171,7 @@ def _check_known_bugs() -> None:
     """Warn, when the engine's config is made, about known engine bugs it meets (``startup.py``,
     ``statediff/enginebugs/known_bugs.toml``). Never raises: a failure is one line on stderr."""
     try:
-        from statediff_hooks.vllm import startup
+        from . import startup
 
         startup.install()
     except Exception as e:  # noqa: BLE001 - statediff installed must never stop vLLM
@@ -198,13 +198,13 @@ ENGINE_PATCHES_ENV = "STATEDIFF_ENGINE_PATCHES"
 #: Comma-separated engine-bug fixes to install too (``--engine-fix``): ``gdn-ragged-drafts``.
 ENGINE_FIX_ENV = "STATEDIFF_ENGINE_FIX"
 #: The fixes ``ENGINE_FIX_ENV`` may name -> their module (``install`` / ``installed``).
-ENGINE_FIXES = {"gdn-ragged-drafts": "statediff_hooks.vllm.gdn_ragged_fix"}
+ENGINE_FIXES = {"gdn-ragged-drafts": "statediff_hooks.vllm.cpu.gdn_ragged_fix"}
 
 
 def install_engine_patches() -> list[dict]:
     """Install, in this process, the stand-ins an engine needs to run at all on this platform.
 
-    Today: ``mamba_align_cpu`` (vLLM's two Triton-only mamba align kernels, on a CPU
+    Today: ``cpu.mamba_align`` (vLLM's two Triton-only mamba align kernels, on a CPU
     without Triton, where vLLM has no CPU implementation of them), ``nvfp4_cpu`` (vLLM's
     NVFP4 emulation kernel registered for a CPU that lists no NVFP4 kernel) and, on vLLM without an
     override registry (0.30), ``kernel_overrides_v030.install_spec_dispatchers`` (vLLM's own
@@ -220,7 +220,11 @@ def install_engine_patches() -> list[dict]:
     import importlib
     import importlib.util
 
-    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu, nvfp4_cpu
+    from .cpu import kernel_overrides_v030
+
+    from .cpu import mamba_align as mamba_align_cpu
+
+    from .cpu import nvfp4 as nvfp4_cpu
 
     out = mamba_align_cpu.install() + nvfp4_cpu.install()
     if importlib.util.find_spec("vllm.triton_utils.dispatcher") is None:  # vLLM 0.29/0.30: no registry
@@ -236,7 +240,11 @@ def _engine_patches(runner: Any) -> list[dict]:
     """The installed engine patches this runner's configuration launches (run field ``engine_patches``)."""
     import importlib
 
-    from statediff_hooks.vllm import kernel_overrides_v030, mamba_align_cpu, nvfp4_cpu
+    from .cpu import kernel_overrides_v030
+
+    from .cpu import mamba_align as mamba_align_cpu
+
+    from .cpu import nvfp4 as nvfp4_cpu
 
     fixes = [importlib.import_module(m).installed(runner) for m in ENGINE_FIXES.values()
              if m in sys.modules]  # only a fix this process installed has its module imported
@@ -260,8 +268,8 @@ def check_trace_path(trace: str | None) -> None:
 
 
 def _register_scheduler() -> None:
-    """Exact replay's scheduler wrappers (``sched_v1``), when asked for."""
-    from statediff_hooks.vllm.sched_v1 import exact_wanted, load_plan, wrap_init_exact, wrap_split
+    """Exact replay's scheduler wrappers (``v1.sched``), when asked for."""
+    from .v1.sched import exact_wanted, load_plan, wrap_init_exact, wrap_split
 
     plan = load_plan()
     if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
@@ -282,7 +290,7 @@ class RecordingRefused(RuntimeError):
 
 
 def _fault_name() -> str | None:
-    from statediff_hooks.faults import parse_fault
+    from ..recording.faults import parse_fault
 
     try:
         spec = parse_fault(os.environ.get("STATEDIFF_FAULT") or "")
@@ -309,9 +317,9 @@ def check_fault_at_start(runner: Any) -> None:
         RecordingRefused: ``faults.fault_problem`` names a reason (e.g.
             ``ssm-bf16`` on an SSM state that is already bfloat16).
     """
-    from statediff_hooks.faults import fault_problem
-    from statediff_hooks.recorder_config import RecorderConfig
-    from statediff_hooks.vllm.effective import effective_config
+    from ..recording.faults import fault_problem
+    from ..recording.config import RecorderConfig
+    from .effective import effective_config
 
     config = RecorderConfig.from_env()
     if config is None or config.fault is None:
@@ -347,9 +355,9 @@ def _capture_for(runner: Any) -> Any:
     cap = _state["capture"]
     if cap is not None or _state["error"]:
         return cap
-    from statediff_hooks.recorder import Recorder
-    from statediff_hooks.recorder_config import RecorderConfig
-    from statediff_hooks.vllm.v1 import V1Capture, run_metadata
+    from ..recording.recorder import Recorder
+    from ..recording.config import RecorderConfig
+    from .v1.capture import V1Capture, run_metadata
 
     config = RecorderConfig.from_env()
     if config is None:
@@ -357,7 +365,7 @@ def _capture_for(runner: Any) -> Any:
     config, tp = _rank_config(config, runner)
     rec = Recorder(config, run_metadata(runner, _adapter[0] if _adapter else None))
     if tp is not None:
-        rec.set_run(tensor_parallel=tp)  # this rank, the world size, the shard layout (tp_v1.py)
+        rec.set_run(tensor_parallel=tp)  # this rank, the world size, the shard layout (v1/tp.py)
         _scheduler_budget_of_rank(rec, runner)
     rec.set_run(engine_patches=_engine_patches(runner))  # what runs in place of the engine's own code
     # After the writer's own exit handler, so that it runs first (atexit is LIFO)
@@ -382,19 +390,19 @@ def _metrics_call(fn: Callable[[], Any]) -> Any:
 
 
 def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
-    """``config`` for this worker's rank (rank r > 0 writes ``tp_v1.rank_trace_path``; a live audit's
+    """``config`` for this worker's rank (rank r > 0 writes ``v1.tp.rank_trace_path``; a live audit's
     rank r > 0 appends its incidents to ``STEM.rankR.jsonl``) and its run field ``tensor_parallel``
     (None without tensor parallelism).
 
     Raises:
         UnsupportedEngine: pipeline parallelism, or tensor parallelism on a vLLM version whose
-            shard layout statediff has not verified (``tp_v1.check_supported``).
+            shard layout statediff has not verified (``v1.tp.check_supported``).
     """
     import dataclasses
 
     import vllm
 
-    from statediff_hooks.vllm import tp_v1
+    from .v1 import tp as tp_v1
 
     pc = runner.parallel_config
     why = tp_v1.check_supported(getattr(vllm, "__version__", "?"), int(getattr(pc, "tensor_parallel_size", 1) or 1),
@@ -414,10 +422,10 @@ def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
 
 def _scheduler_budget_of_rank(rec: Any, runner: Any) -> None:
     """Exact replay under tensor parallelism: the scheduler runs in the engine core, outside this
-    worker, and ``sched_v1.one_block_per_step`` lowered its budget there to one block (``cache_config
+    worker, and ``v1.sched.one_block_per_step`` lowered its budget there to one block (``cache_config
     .block_size``); this worker's copy of the scheduler config still holds the old budget, so the run
     fields ``max_num_batched_tokens`` and ``effective.max_num_scheduled_tokens`` are set to that block."""
-    from statediff_hooks.vllm.sched_v1 import exact_wanted
+    from .v1.sched import exact_wanted
 
     if not exact_wanted():
         return

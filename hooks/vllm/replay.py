@@ -36,12 +36,12 @@ from typing import Any
 
 from statediff.errors import StatediffError, first_line
 from statediff.replay.conversation import Turn
-from statediff_hooks.keep import KeepSpec
-from statediff_hooks.recorder_config import RecorderConfig
-from statediff_hooks.shared import conversation_digest, load_tokenizer, render_prompts
-from statediff_hooks.vllm import plugin, surface
-from statediff_hooks.vllm.limits import check_known_limits, check_logprobs
-from statediff_hooks.vllm.sched_v1 import EXACT_ENV, ExactReplayError, cold_salt
+from ..recording.keep import KeepSpec
+from ..recording.config import RecorderConfig
+from ..recording.fields import conversation_digest, load_tokenizer, render_prompts
+from . import plugin, surface
+from .limits import check_known_limits, check_logprobs
+from .v1.sched import EXACT_ENV, ExactReplayError, cold_salt
 
 # In-process engine core: start ~2 s instead of ~15 s on CPU, and the recorder
 # lives in this process so it can be closed deterministically.
@@ -104,7 +104,7 @@ class ReplaySpec:
             scheduler budget or split plan).
         mode: "hit" (normal prefix caching) or "cold" (a unique ``cache_salt`` per request).
         exact: exact replay, one block per step in both runs, of the block size the engine
-            runs with (read inside the started engine by ``sched_v1.one_block_per_step``,
+            runs with (read inside the started engine by ``v1.sched.one_block_per_step``,
             after vLLM raised it for a hybrid).
         exact_split: exact replay, split form: the hit run keeps the engine's chunking, and
             the cold run (``split_like`` = that hit trace) splits each prefill at the chunk ends
@@ -120,7 +120,7 @@ class ReplaySpec:
             best alternatives (``SamplingParams.logprobs``; greedy tokens do not change); the
             runner's values are recorded (request datasets ``output_logprobs``, ``output_topk_*``),
             run metadata ``logprobs_k``.
-        keep: which captured tensors keep their data (``statediff_hooks.keep``; None: ``hits``);
+        keep: which captured tensors keep their data (``statediff_hooks.recording.keep``; None: ``hits``);
             passed to the engine as ``STATEDIFF_KEEP`` / ``STATEDIFF_FOCUS``.
         run_extra: more run metadata (e.g. ``conversation``, ``record_argv``).
         concurrency: copies of the conversation side by side (module docstring); 1: one copy.
@@ -196,9 +196,9 @@ def replay(turns: list[Turn], kw: dict, *, prompts: list[list[int]] | None = Non
         turns: the conversation.
         kw: ``vllm.LLM`` keyword arguments (``engine_kwargs``).
         prompts: the token ids of ``turns`` when the caller rendered them already
-            (``statediff_hooks.precheck``); else rendered with the model's tokenizer.
+            (``statediff_hooks.drivers.precheck``); else rendered with the model's tokenizer.
         console: where the engine status line and the progress bar go
-            (``statediff_hooks.enginelog.Console``; default: stderr).
+            (``statediff_hooks.vllm.enginelog.Console``; default: stderr).
         progress: draw a progress bar (in a terminal) when no console is given.
         how: the fields of ``ReplaySpec`` (``trace`` and ``mode`` required).
 
@@ -210,7 +210,7 @@ def replay(turns: list[Turn], kw: dict, *, prompts: list[list[int]] | None = Non
     """
     import time
 
-    from statediff_hooks.enginelog import plain_console
+    from .enginelog import plain_console
 
     plan = plan_replay(turns, kw, ReplaySpec(**how), prompts=prompts)
     install_capture(engine_environment(plan))
@@ -309,9 +309,9 @@ def engine_environment(plan: ReplayPlan) -> dict[str, str]:
         env["STATEDIFF_FAULT"] = plan.spec.fault
     if plan.splits:
         env["STATEDIFF_SPLITS"] = json.dumps({str(k): v for k, v in plan.splits.items()})
-    if plan.spec.exact:  # one block per step, set inside the started engine (sched_v1.py)
+    if plan.spec.exact:  # one block per step, set inside the started engine (v1/sched.py)
         env[EXACT_ENV] = "1"
-    env[plugin.ENGINE_PATCHES_ENV] = "1"  # e.g. hybrid + drafter + prefix caching on a CPU (mamba_align_cpu)
+    env[plugin.ENGINE_PATCHES_ENV] = "1"  # e.g. hybrid + drafter + prefix caching on a CPU (cpu/mamba_align.py)
     if plan.spec.engine_fixes:  # asked for only (--engine-fix): they change the engine's computation
         env[plugin.ENGINE_FIX_ENV] = ",".join(plan.spec.engine_fixes)
     if plan.spec.trace is None:
@@ -494,12 +494,12 @@ def finish_trace(plan: ReplayPlan) -> dict:
 
 def finish_rank_traces(plan: ReplayPlan, llm: Any, size: int) -> dict:
     """With tensor parallel size ``size``: stop the engine (each worker closes its rank's trace,
-    ``tp_v1``), check every rank's trace and whether the planted fault fired on some rank.
+    ``v1.tp``), check every rank's trace and whether the planted fault fired on some rank.
 
     Raises:
         StatediffError: a rank's trace is missing or unfinished, or the planted fault never fired.
     """
-    from statediff_hooks.vllm import tp_v1
+    from .v1 import tp as tp_v1
 
     tp_v1.shutdown_engine(llm)
     try:

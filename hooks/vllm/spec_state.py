@@ -60,7 +60,7 @@ def conv_view(runner: Any, conv: Any) -> Any:
 def layer_number(module: str, runner: Any) -> int:
     """The layer number statediff records ``module`` under: an MTP layer's ``drafter_layer_number``,
     else the decoder layer in its name (``recorder.layer_index``)."""
-    from statediff_hooks.recorder import layer_index
+    from ..recording.recorder import layer_index
 
     n = getattr(runner.model_config.hf_text_config, "num_hidden_layers", None)
     mtp = drafter_layer_number(module, int(n)) if isinstance(n, int) else None

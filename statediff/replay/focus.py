@@ -6,7 +6,7 @@ summaries, and when the root has no data on a side it prints the focus
 (request ``R``, position ``P``, optionally layers) and the two commands
 that record both runs again keeping data around it
 (``statediff.replay.command``). The engine side parses the text form into
-its keep policy (``statediff_hooks.keep``); this module owns writing it and
+its keep policy (``statediff_hooks.recording.keep``); this module owns writing it and
 reading a focus out of ``compare --json``. Pure Python: no engine, no trace I/O.
 """
 

@@ -2,7 +2,7 @@
 
 The reference implementation, in numpy: ``digest_array`` digests a tensor
 the offline side holds in full, to compare it with what the engine side
-(``statediff_hooks.digest``, torch ops on the device) recorded. Definition
+(``statediff_hooks.recording.digest``, torch ops on the device) recorded. Definition
 (``DIGEST_VERSION`` 1) and collision bound: docs/trace-format.md, "Digests".
 """
 

@@ -1,7 +1,7 @@
 """Run field ``engine_patches``: what ran in place of the engine's own code (``docs/trace-format.md``).
 
 A recording adapter that replaces engine code so the engine runs at all (vLLM
-on a CPU: ``statediff_hooks.vllm.mamba_align_cpu`` stands in for two Triton
+on a CPU: ``statediff_hooks.vllm.cpu.mamba_align`` stands in for two Triton
 kernels) lists each patch as an object: ``name``, ``replaces`` (the engine's
 functions, fully qualified), ``written_for``, ``why`` and ``note`` (what the
 patched run cannot show). ``[]``: the engine ran unpatched; null: not recorded.

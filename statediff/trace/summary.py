@@ -5,7 +5,7 @@ data: an exact 128-bit fingerprint (``statediff.trace.digest``), the same
 fingerprint of the tensor rounded to bfloat16 (float32 tensors), float64
 moments, and a 16-value random-projection sketch from which the L2 norm of
 a hit/cold difference is estimated (``estimate_l2``). The engine side
-computes them on the device (``statediff_hooks.digest.summarize_rows``);
+computes them on the device (``statediff_hooks.recording.digest.summarize_rows``);
 this module is the numpy reference, bit-identical for digests and counts.
 Definitions, the estimator's interval and what each field supports:
 docs/trace-format.md, "Digests".

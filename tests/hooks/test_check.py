@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from statediff.cli import cli
-from statediff_hooks.check import CheckOptions, RecordFailed, run_check
+from statediff_hooks.drivers.check import CheckOptions, RecordFailed, run_check
 from statediff_hooks.cli.record import argv_from_options, options_from_argv
-from statediff_hooks.recording import RecordingOptions
+from statediff_hooks.drivers.record import RecordingOptions
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def no_record(monkeypatch):
         calls.append(options)
         raise RecordFailed(2)
 
-    monkeypatch.setattr("statediff_hooks.check.record_in_subprocess", fake)
+    monkeypatch.setattr("statediff_hooks.drivers.check.record_in_subprocess", fake)
     return calls
 
 
@@ -41,8 +41,8 @@ def synthetic_runs(monkeypatch):
         write_hit_run(options.output, options.fault or None)
         return (f"recorded 4 requests ({options.mode}, synthetic) to {options.output}",)
 
-    monkeypatch.setattr("statediff_hooks.check.record_in_subprocess", fake)
-    monkeypatch.setattr("statediff_hooks.check.prepare", lambda o: Path(o.output_dir).mkdir())
+    monkeypatch.setattr("statediff_hooks.drivers.check.record_in_subprocess", fake)
+    monkeypatch.setattr("statediff_hooks.drivers.check.prepare", lambda o: Path(o.output_dir).mkdir())
     return calls
 
 

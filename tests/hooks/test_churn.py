@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from statediff.cli import cli
 from statediff.errors import StatediffError
 from statediff.replay.churn import churn_lines, main
-from statediff_hooks.recording import RecordingOptions, engine_arguments, replay_on_transformers
+from statediff_hooks.drivers.record import RecordingOptions, engine_arguments, replay_on_transformers
 
 
 def test_the_churn_conversation_sends_its_prefix_around_a_pressure_request():

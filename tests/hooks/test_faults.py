@@ -1,4 +1,4 @@
-"""The planted-fault interface both engine adapters call (hooks/faults.py), without an engine."""
+"""The planted-fault interface both engine adapters call (hooks/recording/faults.py), without an engine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from statediff_hooks.faults import FaultPlanter, Site, parse_fault
-from statediff_hooks.vllm.faults_v1 import BlockTableRow, GdnSlot
+from statediff_hooks.recording.faults import FaultPlanter, Site, parse_fault
+from statediff_hooks.vllm.v1.faults import BlockTableRow, GdnSlot
 
 pytestmark = pytest.mark.engine  # imports torch when it loads
 
@@ -108,13 +108,13 @@ def test_drafter_kv_zero_zeroes_the_drafters_cached_blocks_only():
 
 
 def test_drafter_shift_moves_the_proposers_rows_one_token_and_never_fires_at_the_hand_off():
-    from statediff_hooks.vllm.faults_v1 import FeatureRows
-    from statediff_hooks.vllm.proposer_v1 import ShiftRows
+    from statediff_hooks.vllm.v1.faults import FeatureRows
+    from statediff_hooks.vllm.v1.proposer import ShiftRows
 
     hidden = torch.arange(12, dtype=torch.float32).repeat_interleave(3).view(12, 3)  # row r holds r
     planter = FaultPlanter(parse_fault("drafter-shift"))
     where = dict(request=1, hit=64, block_size=32, family="drafter")
-    # the runner's hand-off (spec_v1) is a target-side site: the fault waits for the proposer's
+    # the runner's hand-off (v1/spec.py) is a target-side site: the fault waits for the proposer's
     assert not planter.plant(Site(layer=2, module="drafter.aux.2", **where), FeatureRows(hidden, 2, 4))
     assert planter.plant(Site(layer=4, module="proposer.hidden_states", drafter=True, **where),
                          ShiftRows(hidden, 2, 4))

@@ -1,4 +1,4 @@
-"""The keep policy (``statediff_hooks.keep``): which tensors keep data, for real call sequences.
+"""The keep policy (``statediff_hooks.recording.keep``): which tensors keep data, for real call sequences.
 
 The sequences mimic what the vLLM adapter records for the tiny hybrid's
 second request in exact mode (block 32, hit at 448, prompt 520): the
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from statediff_hooks.keep import Focus, KeepPolicy, KeepSpec, parse_bytes, parse_focus_spec
-from statediff_hooks.refocus import focus_from_compare
+from statediff_hooks.recording.keep import Focus, KeepPolicy, KeepSpec, parse_bytes, parse_focus_spec
+from statediff_hooks.recording.refocus import focus_from_compare
 
 BS = 32
 HIT = 448

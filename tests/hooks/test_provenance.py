@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from click.testing import CliRunner
 
-from statediff_hooks.provenance import record_argv
+from statediff_hooks.recording.provenance import record_argv
 
 
 @click.command()

@@ -17,9 +17,9 @@ from statediff.cli import cli
 from statediff.errors import StatediffError
 from statediff.replay.conversation import load_conversation
 from statediff.trace import open_trace
-from statediff_hooks import enginelog
-from statediff_hooks.enginelog import classify, engine_output
-from statediff_hooks.precheck import fit_max_model_len
+from statediff_hooks.vllm import enginelog
+from statediff_hooks.vllm.enginelog import classify, engine_output
+from statediff_hooks.drivers.precheck import fit_max_model_len
 from statediff_hooks.tiny.model import MARKER_NAME, tiny_config, write_model_dir
 
 from no_engine import no_engine  # noqa: F401  the fixture

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from statediff.cli import cli
 from statediff.trace import open_trace
-from statediff_hooks.keep import Focus, KeepSpec
-from statediff_hooks.refocus import check_replay
+from statediff_hooks.recording.keep import Focus, KeepSpec
+from statediff_hooks.recording.refocus import check_replay
 
 from no_engine import no_engine  # noqa: F401  the fixture
 from synth import Fault, write_trace
@@ -134,7 +134,7 @@ def test_check_replay_counts_equal_digests_and_names_the_first_difference(tmp_pa
 
 
 def test_the_keep_policy_reaches_engine_processes_through_the_environment():
-    from statediff_hooks.recorder_config import RecorderConfig
+    from statediff_hooks.recording.config import RecorderConfig
 
     cfg = RecorderConfig(trace="t.h5", mode="hit", keep=KeepSpec("budget", 500_000_000, Focus(1, 448, (0, 3))))
     env = cfg.to_env()

@@ -1,5 +1,5 @@
 """Adapters talk to the trace writer only through ``Recorder`` (issue 22): no module of the engine
-side other than ``hooks/recorder.py`` reaches a ``TraceWriter`` or its private records.
+side other than ``hooks/recording/recorder.py`` reaches a ``TraceWriter`` or its private records.
 
 Walks the source with ``ast`` (nothing is imported, so this runs without torch).
 """

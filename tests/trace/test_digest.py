@@ -1,5 +1,5 @@
 """Block digests: the numpy reference (statediff.trace.digest) and the torch twin
-(statediff_hooks.digest) give the same 32 hex digits on the same bytes."""
+(statediff_hooks.recording.digest) give the same 32 hex digits on the same bytes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from statediff.trace.digest import MASK64, PIECE_WORDS, digest_array, weights
-from statediff_hooks import digest as tdigest
-from statediff_hooks.recorder import to_host
+from statediff_hooks.recording import digest as tdigest
+from statediff_hooks.recording.recorder import to_host
 
 pytestmark = pytest.mark.engine  # imports torch when it loads
 

@@ -1,4 +1,4 @@
-"""Per-tensor summaries: the torch twin (statediff_hooks.digest.summarize_rows) equals the numpy
+"""Per-tensor summaries: the torch twin (statediff_hooks.recording.digest.summarize_rows) equals the numpy
 reference (statediff.trace.summary.summarize) field by field, both follow the definition in
 docs/trace-format.md, and the sketch's L2 estimate behaves as documented."""
 
@@ -14,8 +14,8 @@ from statediff.trace.digest import MASK64, digest_array
 from statediff.trace.dtypes import round_to_bf16
 from statediff.trace.summary import (Q_HI, Q_LO, SKETCH_DIM, SKETCH_SEED, Summary, estimate_l2, sketch_signs,
                                      summarize)
-from statediff_hooks import digest as tdigest
-from statediff_hooks.recorder import to_host
+from statediff_hooks.recording import digest as tdigest
+from statediff_hooks.recording.recorder import to_host
 
 pytestmark = pytest.mark.engine  # imports torch when it loads
 

@@ -1,4 +1,4 @@
-"""``--engine-fix gdn-ragged-drafts`` (``statediff_hooks.vllm.gdn_ragged_fix``) on vLLM 0.32's own
+"""``--engine-fix gdn-ragged-drafts`` (``statediff_hooks.vllm.cpu.gdn_ragged_fix``) on vLLM 0.32's own
 ``_spec_forward``, no engine: the conv part of the CPU GDN spec path, step by step, against a causal
 conv over the accepted token stream (width 4, 3 speculative tokens: a 6-column conv buffer)."""
 
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 gdn = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
 F = torch.nn.functional
 
-from statediff_hooks.vllm import gdn_ragged_fix  # noqa: E402 - after the engine packages are known present
+from statediff_hooks.vllm.cpu import gdn_ragged_fix  # noqa: E402 - after the engine packages are known present
 WIDTH, K, DIM = 4, 3, 5
 STATE_LEN = WIDTH - 1 + K
 

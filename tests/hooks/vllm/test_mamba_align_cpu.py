@@ -1,4 +1,4 @@
-"""The CPU stand-ins for vLLM's mamba align kernels (``hooks/vllm/mamba_align_cpu.py``) against
+"""The CPU stand-ins for vLLM's mamba align kernels (``hooks/vllm/cpu/mamba_align.py``) against
 vLLM 0.32's own scalar copy path, byte for byte; no engine is started.
 
 Fake GDN caches are laid out as the runner lays them out (one raw byte buffer per layer, conv
@@ -29,7 +29,7 @@ GROUPS = [["l0", "l1"], ["l2"]]
 
 @pytest.fixture(scope="module")
 def stand_ins():
-    from statediff_hooks.vllm import mamba_align_cpu
+    from statediff_hooks.vllm.cpu import mamba_align as mamba_align_cpu
 
     patches = mamba_align_cpu.install()
     assert [p["name"] for p in patches] == ["cpu-mamba-align-kernels"]

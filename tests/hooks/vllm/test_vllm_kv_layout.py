@@ -13,7 +13,7 @@ def test_kv_block_reads_token_rows_written_by_the_engine(block_size):
     import torch
     from vllm import _custom_ops as ops
 
-    from statediff_hooks.vllm.v1 import kv_block
+    from statediff_hooks.vllm.v1.capture import kv_block
 
     nb, heads, hd = 4, 2, 128
     cache = torch.zeros(nb, heads, block_size, 2 * hd, dtype=torch.bfloat16)
@@ -38,7 +38,7 @@ def test_kv_blocks_gathers_what_kv_block_reads(backend):
     require_engine()
     import torch
 
-    from statediff_hooks.vllm.v1 import kv_block, kv_blocks
+    from statediff_hooks.vllm.v1.capture import kv_block, kv_blocks
 
     cache = torch.randn(6, 2, 32, 2 * 64).to(torch.bfloat16)
     ids = [5, 0, 3, 3]

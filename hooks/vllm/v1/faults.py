@@ -1,6 +1,6 @@
 """Planted faults on vLLM's V1 runner: ``faults.RestoreTarget``s over vLLM 0.32 state.
 
-What each fault does is ``hooks/faults.py``; this module only reaches the
+What each fault does is ``hooks/recording/faults.py``; this module only reaches the
 state, mirroring vLLM 0.32.0:
 
 - GDN (``v1/worker/mamba_utils.py`` ``preprocess_mamba``, mamba cache mode
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from statediff_hooks.vllm import surface
+from .. import surface
 
 
 class _Target:
@@ -131,7 +131,7 @@ class BlockTableRow(_Target):
 
 
 class FeatureRows(_Target):
-    """``RestoreTarget`` of drafter-input rows ``feats[offset:offset + n]`` (``spec_v1.py``)."""
+    """``RestoreTarget`` of drafter-input rows ``feats[offset:offset + n]`` (``v1/spec.py``)."""
 
     def __init__(self, feats: torch.Tensor, offset: int, n: int) -> None:
         self.rows = feats[offset:offset + n]

@@ -33,7 +33,7 @@ from typing import Any
 
 from statediff.errors import StatediffError
 from statediff.replay.conversation import Turn
-from statediff_hooks.drivers.sweep import BUILTIN_NAME as SWEEP_NAME
+from .sweep import BUILTIN_NAME as SWEEP_NAME
 
 #: The conversation's name in a trace (run field ``conversation``) when none is given.
 BUILTIN_CONVERSATION = "builtin:demo"
@@ -68,7 +68,7 @@ class RecordingOptions:
         concurrency: copies of the conversation replayed side by side (``vllm.replay``: request
             i of every copy in one batch, each copy with its own ``cache_salt``); 1: one copy.
         tensor_parallel_size: vLLM ``tensor_parallel_size``; above 1 each rank records its own
-            trace (``vllm.tp_v1``).
+            trace (``vllm.v1.tp``).
         sweep_boundaries, sweep_blocks: replay a boundary sweep instead of a conversation.
         drafter: with the transformers engine, a DFlash drafter directory or ``dflash``.
         activations: also record the residual stream (needs ``enforce_eager``).
@@ -199,7 +199,7 @@ class RecordingResult:
         out = [self.replayed.summary, *self.hit_lines, *self.replayed.sweep_lines,
                f"  tensors: {s.get('tensors')}, raw {s.get('bytes_raw', 0) / 1e6:.1f} MB, "
                f"file {s.get('bytes_file', 0) / 1e6:.1f} MB"]
-        if s.get("ranks"):  # tensor parallel: one trace per rank (vllm/tp_v1.py)
+        if s.get("ranks"):  # tensor parallel: one trace per rank (vllm/v1/tp.py)
             out.append(f"  tensor parallel: {len(s['ranks'])} ranks, one trace each: " + ", ".join(
                 f"{os.path.basename(r['trace'])} (rank {r['rank']}: {r['tensors']} tensors)" for r in s["ranks"])
                 + f"; 'statediff compare' takes {os.path.basename(s['ranks'][0]['trace'])}")
@@ -243,8 +243,8 @@ def check_options(options: RecordingOptions) -> tuple[Any, str | None]:
             that exists (without ``overwrite``) or cannot be written.
     """
     from statediff.trace.writer import check_writable
-    from statediff_hooks.faults import parse_fault
-    from statediff_hooks.refocus import keep_options
+    from ..recording.faults import parse_fault
+    from ..recording.refocus import keep_options
 
     try:
         fault = parse_fault(options.fault)
@@ -273,15 +273,15 @@ def read_inputs(options: RecordingOptions, keep: Any) -> Inputs:
             that fails, a ``--focus`` the replay cannot reach.
     """
     from statediff.replay.conversation import load_conversation
-    from statediff_hooks.drivers.demo import builtin_turns, demo_conversation
-    from statediff_hooks.precheck import check_focus, check_model, precheck
-    from statediff_hooks.tiny.catalog import resolve_model
+    from .demo import builtin_turns, demo_conversation
+    from .precheck import check_focus, check_model, precheck
+    from ..tiny.catalog import resolve_model
 
     o = options
     turns = load_conversation(o.conversation) if o.conversation else _split_like_turns(o)
     model_dir = resolve_model(o.model, o.seed)
     if o.engine == "vllm":  # a compressed-tensors format this CPU cannot run: one line, no engine start
-        from statediff_hooks.vllm.nvfp4_cpu import check_checkpoint
+        from ..vllm.cpu.nvfp4 import check_checkpoint
 
         refusal = check_checkpoint(model_dir)
         if refusal:
@@ -336,7 +336,7 @@ def check_fault_site(fault: str, num_requests: int, config: dict | None, copies:
     Raises:
         StatediffError: ``L`` or ``R`` out of range, one line naming the range.
     """
-    from statediff_hooks.faults import family, parse_fault
+    from ..recording.faults import family, parse_fault
 
     spec = parse_fault(fault)
     if spec is None:
@@ -377,7 +377,7 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
             ``--enforce-eager``, bad ``--engine-arg`` or ``--speculative-config``, an
             unwritable engine log, or what the replay raises.
     """
-    from statediff_hooks.vllm import replay as vllm_replay
+    from ..vllm import replay as vllm_replay
 
     o = options
     if o.drafter:
@@ -402,7 +402,7 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
                f"block size {res.block_size}) to {o.output} in {res.seconds:.1f} s")
     lines: tuple[str, ...] = ()
     if sweep is not None:
-        from statediff_hooks.drivers.sweep import summary as sweep_summary
+        from .sweep import summary as sweep_summary
 
         lines = tuple(sweep_summary(sweep, res.num_cached_tokens, o.mode))
     return Replayed(summary, lines, res.stats, res)
@@ -410,8 +410,8 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
 
 def _boundary_sweep(options: RecordingOptions, inputs: Inputs, kw: dict) -> tuple[Any, dict]:
     """The boundary sweep for this engine, and ``kw`` with the ``max_model_len`` that fits it."""
-    from statediff_hooks.drivers.sweep import engine_sweep
-    from statediff_hooks.precheck import fit_max_model_len
+    from .sweep import engine_sweep
+    from .precheck import fit_max_model_len
 
     sweep = engine_sweep(kw, blocks=options.sweep_blocks, max_tokens=options.max_tokens, seed=options.seed)
     prompts = [list(t.prompt_token_ids) for t in sweep.turns]
@@ -429,7 +429,7 @@ def engine_arguments(options: RecordingOptions, model_dir: str, max_model_len: i
             below 1 or also given as an ``--engine-arg``, or a ``--speculative-config`` that is not a
             JSON object with ``method`` or ``model``.
     """
-    from statediff_hooks.vllm.replay import engine_kwargs
+    from ..vllm.replay import engine_kwargs
 
     o = options
     extra = parse_engine_args(o.engine_args)
@@ -465,7 +465,7 @@ def check_model_splits(model_dir: str, n: int) -> None:
     Raises:
         StatediffError: one line naming the count and ``--model tiny-tp``.
     """
-    from statediff_hooks.vllm.limits import text_field
+    from ..vllm.limits import text_field
 
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -491,8 +491,8 @@ def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:
         StatediffError: also given as ``--engine-arg``, pipeline parallelism, an unverified vLLM
             version, fewer usable cores than ranks, a fault ``rank=K`` outside ``0..N-1``.
     """
-    from statediff_hooks.faults import parse_fault
-    from statediff_hooks.vllm.tp_v1 import check_supported
+    from ..recording.faults import parse_fault
+    from ..vllm.v1.tp import check_supported
 
     n = options.tensor_parallel_size
     if "tensor_parallel_size" in extra and n > 1:
@@ -508,7 +508,7 @@ def tensor_parallel_arguments(options: RecordingOptions, extra: dict) -> dict:
     pp = int(extra.get("pipeline_parallel_size") or 1)
     why = None
     if n > 1 or pp > 1:
-        from statediff_hooks.vllm.surface import installed_version  # imports vLLM: only when parallel
+        from ..vllm.surface import installed_version  # imports vLLM: only when parallel
 
         why = check_supported(installed_version().split("+")[0], n, pp)
     if why:
@@ -534,7 +534,7 @@ def _clear_rank_traces(output: str, n: int, overwrite: bool) -> None:
     Raises:
         StatediffError: such a file exists without ``overwrite``.
     """
-    from statediff_hooks.vllm.tp_v1 import rank_trace_path
+    from ..vllm.v1.tp import rank_trace_path
 
     for r in range(1, n):
         p = rank_trace_path(output, r)
@@ -551,7 +551,7 @@ def parse_speculative_config(text: str | None, seed: int) -> dict | None:
     Raises:
         StatediffError: invalid JSON, or not an object with ``method`` and/or ``model``.
     """
-    from statediff_hooks.tiny.catalog import resolve_model
+    from ..tiny.catalog import resolve_model
 
     if not text:
         return None
@@ -594,7 +594,7 @@ def engine_console(output: str, show: bool, *, progress: bool) -> Iterator[Any]:
     Raises:
         StatediffError: the log file cannot be written.
     """
-    from statediff_hooks.enginelog import engine_output, plain_console
+    from ..vllm.enginelog import engine_output, plain_console
 
     if show:
         yield plain_console(progress)
@@ -641,7 +641,7 @@ def replay_on_transformers(options: RecordingOptions, inputs: Inputs, keep: Any)
     if o.exact_split:
         raise StatediffError("--exact-split is vLLM-only; the transformers engine chunks hit and cold alike "
                              "(use --exact for one block per chunk)")
-    from statediff_hooks.transformers.adapter import record_transformers as run
+    from ..transformers.adapter import record_transformers as run
 
     res = run(inputs.turns, inputs.model_dir, trace=o.output, mode=o.mode, exact=o.exact, fault=o.fault,
               drafter=o.drafter, block_size=o.block_size or 32, overwrite=o.overwrite, kv=o.kv, seed=o.seed,
@@ -664,7 +664,7 @@ def read_back(options: RecordingOptions, reference: str | None) -> tuple[tuple[s
     """
     from statediff.replay.hits import account_run, summary_lines
     from statediff.trace import open_trace
-    from statediff_hooks.refocus import check_replay
+    from ..recording.refocus import check_replay
 
     with open_trace(options.output) as t:
         hits = tuple(summary_lines(account_run(t.run, t.requests), options.mode))
@@ -674,7 +674,7 @@ def read_back(options: RecordingOptions, reference: str | None) -> tuple[tuple[s
 
 def _kept_line(k: dict) -> str:
     """``  kept: 12 tensors with data (3.1 MB raw), 200 digest only (--keep hits)``."""
-    from statediff_hooks.keep import Focus
+    from ..recording.keep import Focus
 
     focus = f", focus {Focus.from_json(k['focus']).spec}" if k.get("focus") else ""
     return (f"  kept: {k.get('kept_tensors')} tensors with data ({k.get('kept_bytes', 0) / 1e6:.1f} MB "

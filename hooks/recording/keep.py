@@ -3,7 +3,7 @@
 Every captured tensor gets a summary (digest, moments, sketch: a ``/digests``
 row); the keep policy decides which of them also keep their full data (an
 ``/index`` row and a dataset). Pure Python: no torch, no trace I/O; the
-recorder (``statediff_hooks.recorder``) asks ``KeepPolicy.keep`` once per
+recorder (``statediff_hooks.recording.recorder``) asks ``KeepPolicy.keep`` once per
 tensor, in capture order.
 
 Policies (``--keep``):

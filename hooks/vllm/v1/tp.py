@@ -36,7 +36,7 @@ __all__ = ["VERIFIED_VERSIONS", "check_supported", "rank_of", "rank_trace_path",
            "tensor_parallel_field"]
 
 def _verified() -> tuple[str, ...]:
-    from statediff_hooks.vllm.surface import VERSIONS
+    from ..surface import VERSIONS
 
     return tuple(v.version.rsplit(".0", 1)[0] if v.version.endswith(".0") else v.version
                  for v in VERSIONS if v.tensor_parallel)

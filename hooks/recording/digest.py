@@ -246,7 +246,7 @@ def _decode(xb: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"cannot summarize a tensor of dtype {xb.dtype}")
 
 
-def _summary_table(x2d: torch.Tensor, gpu: bool) -> torch.Tensor:
+def _summary_table(x2d: torch.Tensor, gpu: bool) -> torch.Tensor:  # long: a 25-column table built in one device pass, half of it its docstring
     """Everything a row's ``Summary`` needs: int64 ``[B, 25]`` on the device (no host transfer).
 
     Columns: digest lanes (2), bf16 digest lanes (2; zeros unless float32),

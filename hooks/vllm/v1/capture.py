@@ -47,7 +47,7 @@ Reading only persistent cache memory between model steps works unchanged
 under CUDA graphs and torch.compile; nothing here hooks activations.
 Every tensor read goes through ``Recorder.tensor``/``tensors``: summarized
 where it lives (a few hundred bytes per tensor cross to the host), copied to
-host only when the keep policy (``statediff_hooks.keep``) keeps its data.
+host only when the keep policy (``statediff_hooks.recording.keep``) keeps its data.
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ import torch
 
 from statediff.trace.schema import MAX_LOGPROBS_K
 
-from statediff_hooks.faults import FaultPlanter, Site
-from statediff_hooks.recorder import Recorder, layer_index
-from statediff_hooks.vllm.spec_state import conv_view, is_drafter_layer, layer_number
-from statediff_hooks.shared import config_digest
-from statediff_hooks.vllm import surface
-from statediff_hooks.vllm.faults_v1 import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow, RecycledSlot
-from statediff_hooks.vllm.group_hits_v1 import GROUP_HITS, SHORTFALL
-from statediff_hooks.vllm.spec_v1 import SpecCapture
+from ...recording.faults import FaultPlanter, Site
+from ...recording.recorder import Recorder, layer_index
+from ..spec_state import conv_view, is_drafter_layer, layer_number
+from ...recording.fields import config_digest
+from .. import surface
+from .faults import BlockTableRow, EarlierSsm, GdnSlot, LogitsRow, RecycledSlot
+from .group_hits import GROUP_HITS, SHORTFALL
+from .spec import SpecCapture
 
 # Attention backends whose layer cache is [nb, h, bs, 2*hd] with per-head K rows then V rows.
 _HEAD_HALVES = {"CPU_ATTN"}
@@ -222,13 +222,13 @@ class V1Capture:
         self.attn = [li for li in self.layers if li.kind == "attn"] if recorder.config.kv == "all" else []
         self.ctx = surface.forward_context(runner)
         self.spec = runner.speculative_config is not None
-        self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (spec_v1.py)
+        self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (v1/spec.py)
         self.activations = None
-        if recorder.config.activations:  # opt-in, eager only, perturbs numerics (activations_v1.py)
+        if recorder.config.activations:  # opt-in, eager only, perturbs numerics (v1/activations.py)
             if not runner.model_config.enforce_eager:
                 raise RuntimeError("statediff: activation capture needs an eager engine "
                                    "(enforce_eager=True); forward hooks never run under torch.compile")
-            from statediff_hooks.vllm.activations_v1 import ActivationHooks
+            from .activations import ActivationHooks
 
             self.activations = ActivationHooks(self)
         self.step: list[StepReq] = []
@@ -285,7 +285,7 @@ class V1Capture:
             self.tokens[rid] = list(prompt)
         self.outputs[rid] = []
         self.hit_len[rid] = nr.num_computed_tokens
-        groups = GROUP_HITS.pop(rid, None)  # the scheduler's final hit per KV-cache group (group_hits_v1)
+        groups = GROUP_HITS.pop(rid, None)  # the scheduler's final hit per KV-cache group (v1/group_hits.py)
         if groups is not None:
             self.rec.set_request(idx, group_hit_tokens=groups)
         if rid in SHORTFALL:  # the group-shortfall fault fired in the scheduler: note it here
@@ -302,7 +302,7 @@ class V1Capture:
         li = next((x for x in self.attn_all if x.group == group), None)
         if li is None or not self.faults.pending:
             return
-        from statediff_hooks.faults import FAULTS
+        from ...recording.faults import FAULTS
 
         self.faults.fired = {"request": idx, "position": hit, "layer": li.layer, "module": li.name,
                              "kind": "attn.k", "group": group, "description": FAULTS["group-shortfall"][2]}
@@ -381,7 +381,7 @@ class V1Capture:
                 self.rec.set_request(sr.index, first_chunk={"start": sr.start, "layers": layers})
 
     def _plant_recycled(self, sr: StepReq, row: int) -> None:
-        """The recycled-slot fault at a first chunk without a hit (``faults_v1.RecycledSlot``)."""
+        """The recycled-slot fault at a first chunk without a hit (``v1.faults.RecycledSlot``)."""
         for li in self.gdn:
             md = surface.forward_metadata(li.name)
             v = surface.gdn_first_chunk(md, row)
@@ -394,17 +394,17 @@ class V1Capture:
                 return
 
     def before_propose(self, args: dict[str, Any]) -> None:
-        """Drafter inputs and acceptance of this step (``spec_v1.SpecCapture``)."""
+        """Drafter inputs and acceptance of this step (``v1.spec.SpecCapture``)."""
         if self.drafter is not None:
             self.drafter.before_propose(args)
 
     def after_propose(self, drafts: Any) -> None:
-        """The drafts of this drafter call (``spec_v1.SpecCapture.after_propose``)."""
+        """The drafts of this drafter call (``v1.spec.SpecCapture.after_propose``)."""
         if self.drafter is not None:
             self.drafter.after_propose(drafts)
 
     def after_first_pass(self, args: dict[str, Any], out: Any) -> None:
-        """The proposer filled the drafter model's inputs (``proposer_v1``, through ``spec_v1``)."""
+        """The proposer filled the drafter model's inputs (``v1.proposer``, through ``v1.spec``)."""
         if self.drafter is not None:
             self.drafter.after_first_pass(args, out)
 
@@ -520,7 +520,7 @@ class V1Capture:
                 if self.rec.live:
                     self.kv_seen.update({(li.layer, bid): (sk, sv) for bid, sk, sv in zip(ids, *sums)})
 
-    # -- planted faults (faults.py; vLLM targets in faults_v1.py) ------------
+    # -- planted faults (faults.py; vLLM targets in v1/faults.py) ------------
 
     def _wants_ckpt_blocks(self) -> bool:
         f = self.rec.config.fault
@@ -611,10 +611,10 @@ def _sampling_summary(sp: Any) -> dict | None:
 
 def _fault_of_rank(fault: Any, runner: Any) -> Any:
     """The planted fault this worker plants: ``fault``, or None when it names another
-    tensor-parallel rank (``rank=K``; ``tp_v1.rank_of``)."""
+    tensor-parallel rank (``rank=K``; ``v1.tp.rank_of``)."""
     if fault is None or fault.rank is None:
         return fault
-    from statediff_hooks.vllm.tp_v1 import rank_of
+    from .tp import rank_of
 
     return fault if rank_of(runner)[0] == fault.rank else None
 
@@ -622,8 +622,8 @@ def _fault_of_rank(fault: Any, runner: Any) -> Any:
 def _target_format(mc: Any) -> str | None:
     """Run field ``target_format``: "bf16"/"float16"/... for an unquantised model (its dtype),
     "fp8" or "nvfp4" for a compressed-tensors checkpoint of that format
-    (``nvfp4_cpu.checkpoint_format``), else "<quant_method>:<format>"; None if unreadable."""
-    from statediff_hooks.vllm.nvfp4_cpu import checkpoint_format
+    (``cpu.nvfp4.checkpoint_format``), else "<quant_method>:<format>"; None if unreadable."""
+    from ..cpu.nvfp4 import checkpoint_format
 
     if not mc.quantization:
         return str(mc.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
@@ -635,7 +635,7 @@ def _target_format(mc: Any) -> str | None:
 
 def _linear_kernels(runner: Any) -> dict[str, str]:
     """Run field ``linear_kernels``: the quantised linear layers' scheme -> kernel classes."""
-    from statediff_hooks.vllm.nvfp4_cpu import linear_kernels
+    from ..cpu.nvfp4 import linear_kernels
 
     try:
         return linear_kernels(runner)
@@ -663,7 +663,7 @@ def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     """
     import vllm
 
-    from statediff_hooks.vllm.effective import effective_config
+    from ..effective import effective_config
 
     eff = effective_config(runner)
     vc = runner.vllm_config

@@ -17,7 +17,7 @@ exposes the restored state of that layer (a ``RestoreTarget``: tensors it
 may edit in place, and a way to remap logical KV blocks), and
 ``FaultPlanter.plant`` decides whether the fault fires there and applies
 it. What a fault does is written once, here; how a state is reached is the
-adapter's (``hooks/vllm/faults_v1.py``, ``hooks/transformers/adapter.py``).
+adapter's (``hooks/vllm/v1/faults.py``, ``hooks/transformers/adapter.py``).
 """
 
 from __future__ import annotations
@@ -41,20 +41,20 @@ FAULTS = {
     # the drafter's own attention layers (an MTP or EAGLE head), in the cache memory itself
     "drafter-kv-zero": ("attn.k", 1, "the drafter's K and V of every cached block zeroed at the hit "
                         "(in the cache memory, before the step reads them)"),
-    # speculative decoding (hooks/vllm/spec_v1.py): fires in the first step after the hit
+    # speculative decoding (hooks/vllm/v1/spec.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
-    # inside the proposer (hooks/vllm/proposer_v1.py): the rows the drafter model receives, after the hand-off
+    # inside the proposer (hooks/vllm/v1/proposer.py): the rows the drafter model receives, after the hand-off
     "drafter-shift": ("drafter.model_input", 1, "the drafter model's input rows inside the proposer shifted by "
                       "one token right after the hit (the row of token p holds token p+1's), after the runner "
                       "handed them over"),
-    # a request WITHOUT a hit (hooks/vllm/v1.py before_forward): its first chunk's GDN metadata says
+    # a request WITHOUT a hit (hooks/vllm/v1/capture.py before_forward): its first chunk's GDN metadata says
     # "prior state" while its state slot holds another request's state (vLLM 0.29/0.30 read a recycled
     # slot for one-token first chunks classified as decodes; fixed in 0.31)
     "recycled-slot": ("gdn.conv_state", 0, "a request without a prefix-cache hit has its first chunk treated "
                       "as having prior state (has_initial_state set) while its state slot holds another "
                       "request's state"),
-    # the scheduler (hooks/vllm/group_hits_v1.py): one KV-cache group's final hit cut by a block
+    # the scheduler (hooks/vllm/v1/group_hits.py): one KV-cache group's final hit cut by a block
     "group-shortfall": ("attn.k", 2, "the full-attention group's final prefix-cache hit is one block shorter "
                         "than the other groups' (its last cached block is dropped from the hit)"),
     # outside every captured state: the sampler's input of the hit request's first kept sample

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from statediff.errors import StatediffError
-from statediff_hooks.recording import RecordingOptions
+from .record import RecordingOptions
 
 #: The steps of ``run_check``, in order (see the module docstring).
 STEPS = ("record-hit", "audit-hit", "record-cold", "compare")
@@ -178,7 +178,7 @@ def prepare(options: CheckOptions) -> None:
     Raises:
         StatediffError: one line, before any engine starts.
     """
-    from statediff_hooks.recording import check_options, engine_arguments, read_inputs
+    from .record import check_options, engine_arguments, read_inputs
 
     o = options.base
     if o.engine != "vllm":
@@ -209,7 +209,7 @@ def record_in_subprocess(options: RecordingOptions, timeout: float | None) -> tu
     Raises:
         RecordFailed: the recording exited non-zero (it printed its own error line).
     """
-    from statediff_hooks.cli.record import argv_from_options
+    from ..cli.record import argv_from_options
 
     cmd = [sys.executable, "-m", "statediff", "record", *argv_from_options(options)]
     try:

@@ -22,7 +22,7 @@ from typing import Any
 
 from statediff.errors import StatediffError
 from statediff.replay.focus import focus_from_compare as compare_focus
-from statediff_hooks.keep import Focus, KeepSpec, parse_focus_spec
+from .keep import Focus, KeepSpec, parse_focus_spec
 
 
 def focus_from_compare(doc: Any) -> tuple[Focus, str | None, str | None]:

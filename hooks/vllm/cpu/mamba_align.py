@@ -290,7 +290,7 @@ def _wanted() -> list[str]:
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
 
-    from statediff_hooks.vllm import kernel_overrides_v030
+    from . import kernel_overrides_v030
 
     if HAS_TRITON or not current_platform.is_cpu():
         return []
@@ -314,7 +314,7 @@ def _register(impls: dict) -> None:
     try:
         from vllm.triton_utils.dispatcher import register_kernels
     except ImportError:
-        from statediff_hooks.vllm.kernel_overrides_v030 import register_kernels
+        from .kernel_overrides_v030 import register_kernels
     register_kernels(impls)
 
 
@@ -345,7 +345,7 @@ def install() -> list[dict[str, Any]]:
             name, "has arguments other than vLLM 0.32's; statediff's CPU stand-in does not know them")
     import vllm
 
-    from statediff_hooks.vllm.surface import nearest_facts
+    from ..surface import nearest_facts
 
     _row_mode[0] = nearest_facts(str(getattr(vllm, "__version__", ""))).align_block_table_row
     _register(impls)

@@ -1,12 +1,12 @@
 """Engine-neutral recorder: torch tensors in, trace records out.
 
-Engine adapters (``statediff_hooks.vllm.v1``, ``statediff_hooks.transformers``)
+Engine adapters (``statediff_hooks.vllm.v1.capture``, ``statediff_hooks.transformers``)
 decide *what* to read and *when*; this module owns the request numbering,
 the summary of every tensor (computed on its device, ``digest.summarize_rows``),
 the keep policy (``keep.py``: which tensors also keep their data), the host
 copy of those and the hand-off to ``statediff.trace``.
 Configuration comes from environment variables so that it reaches vLLM
-worker processes unchanged (``recorder_config.RecorderConfig.from_env``).
+worker processes unchanged (``config.RecorderConfig.from_env``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from statediff.audit.live import LiveAuditor
 from statediff.replay.hits import HitLedger, drops_last_block
 from statediff.trace import TraceWriter
 
-from statediff_hooks.digest import summarize_rows
-from statediff_hooks.keep import KeepPolicy
-from statediff_hooks.recorder_config import RecorderConfig
+from .digest import summarize_rows
+from .keep import KeepPolicy
+from .config import RecorderConfig
 
 # torch dtype -> (logical name, dtype to view as before .numpy())
 _TORCH_DTYPES: dict[torch.dtype, tuple[str, torch.dtype]] = {
