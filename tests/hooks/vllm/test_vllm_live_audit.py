@@ -69,6 +69,7 @@ def test_metrics_on_vllms_endpoint_count_checks_and_the_one_violation(served):
     _, rounds, log = served
     assert "known engine bug" not in log  # no drafter: no known-bug entry applies (startup.py)
     first, second = rounds[0][4], rounds[1][4]
+    print("metrics after round 1:", first, "\nafter round 2:", second)
     assert not [k for k in first if k[0] == "statediff:restore_violations_total"]  # fault-free round
     # round 1: 4 hits of 384 tokens (3 blocks): each restores the GDN layers' conv and SSM states
     state = ("statediff:restores_checked_total", (("check", "state"), ("rank", "0")))
