@@ -163,7 +163,7 @@ def median_spread(xs: list[float]) -> str:
 
 def serve_args(blocks: int, spec_tokens: int) -> tuple[str, ...]:
     return ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": spec_tokens}),
-            "--num-gpu-blocks-override", str(blocks), "--max-num-seqs", "16")
+            "--num-gpu-blocks-override", str(blocks))
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
