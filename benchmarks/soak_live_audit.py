@@ -30,6 +30,7 @@ MODEL_DIR: the tiny MTP hybrid (``statediff build-tiny-model --kind mtp -o MODEL
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     ap.add_argument("--spec-tokens", type=int, default=2)
     ap.add_argument("--fault", default="conv-zero")
     ap.add_argument("--kill-after", type=float, default=120.0, help="phase 2 load before SIGKILL (s)")
+    ap.add_argument("--prestart-minutes", type=float, default=9.0,
+                    help="start phase 2's servers this long before phase 1 ends (default 9)")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a new temporary one)")
     ap.add_argument("--write", type=Path, default=None, help="put the result in this performance.md")
     args = ap.parse_args(argv)
@@ -205,6 +208,27 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
 
     rounds: list[dict] = []
     metrics_after: list[dict[str, float]] = []
+    inc = tmp / "incidents-fault.jsonl"
+    trace = tmp / "soak.h5"
+    p2: dict[str, Server] = {}
+    p2_up: list[BaseException | None] = []
+
+    def start_phase2() -> None:
+        """Phase 2's servers, started while phase 1 still runs (their start takes minutes here)."""
+        p2["fault"] = Server(args.model, ENV | {"STATEDIFF_LIVE_AUDIT": str(inc), "STATEDIFF_FAULT": args.fault},
+                             tmp / "fault.log", *extra)
+        p2["trace"] = Server(args.model, ENV | {"STATEDIFF_TRACE": str(trace)}, tmp / "trace.log", *extra)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(lambda s: s.start(timeout=1500), p2.values()))
+            p2_up.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported in phase 2
+            p2_up.append(e)
+
+    starter = threading.Thread(target=start_phase2, daemon=True)
+    # no server outlives the script: at exit, and on SIGTERM (a timeout), every one is stopped
+    atexit.register(lambda: [x.stop() for x in [*servers.values(), *p2.values()]])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
         with ThreadPoolExecutor(2) as pool:  # both start at once
             list(pool.map(lambda s: s.start(timeout=1500), servers.values()))
@@ -214,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         for name, s in servers.items():  # warm-up, not counted
             run_load([s.url], args.clients, 20, seed=9000 + len(name))
         end = time.monotonic() + 60 * args.minutes
+        prestart = end - 60 * args.prestart_minutes
         rep = 0
         while time.monotonic() < end:
+            if time.monotonic() >= prestart and not starter.is_alive() and not p2:
+                say("phase 2's servers starting (phase 1 goes on)")
+                starter.start()
             for name in (("off", "on") if rep % 2 == 0 else ("on", "off")):
                 t0 = time.monotonic()
                 tally = run_load([servers[name].url], args.clients, args.round_seconds, seed=rep * 2 + (name == "on"))[0]
@@ -238,15 +266,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     say(f"phase 1 done: {len(clean_incidents)} incidents fault-free")
 
     # -- phase 2: a planted fault, a recording, SIGKILL mid-traffic ------------------------------
-    inc = tmp / "incidents-fault.jsonl"
-    trace = tmp / "soak.h5"
-    p2 = {"fault": Server(args.model, ENV | {"STATEDIFF_LIVE_AUDIT": str(inc), "STATEDIFF_FAULT": args.fault},
-                          tmp / "fault.log", *extra),
-          "trace": Server(args.model, ENV | {"STATEDIFF_TRACE": str(trace)}, tmp / "trace.log", *extra)}
     scrapes: list[dict[str, float]] = []
+    tallies = [Tally(), Tally()]
+    phase2_error = ""
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.start(timeout=1500), p2.values()))
+        if not p2:
+            starter.start()
+        starter.join()
+        if p2_up and p2_up[0] is not None:
+            raise p2_up[0]
         say("phase 2: fault and trace servers up")
 
         def killer() -> None:
@@ -265,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
         k.start()
         tallies = run_load([p2["fault"].url, p2["trace"].url], args.clients, args.kill_after + 60, seed=777)
         k.join()
+    except Exception as e:  # noqa: BLE001 - phase 1's result is still written
+        phase2_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        say(f"phase 2 failed: {phase2_error}")
     finally:
         for s in p2.values():
             s.stop()
-    logged = [x for x in (tmp / "fault.log").read_text(errors="replace").splitlines() if "statediff live audit:" in x]
+    logged = [x for x in ((tmp / "fault.log").read_text(errors="replace") if (tmp / "fault.log").exists() else "").splitlines() if "statediff live audit:" in x]
     written = [json.loads(x) for x in inc.read_text().splitlines()] if inc.exists() else []
     in_file = sum(any(f"request {w['request_id']} " in x for w in written) for x in logged)
     violations = max((sum(v for k2, v in s.items() if k2.startswith("statediff:restore_violations_total"))
@@ -316,7 +347,9 @@ below moves with the other sessions' load. Traffic: {args.clients} concurrent ag
 conversations of 3-6 turns on 3 agent profiles (a 300-token system prompt and 240 tokens of tool
 schemas shared by the agents of a profile), each turn a user message (15-50 tokens) or a tool
 result (60-160) plus the answer (16-40 tokens, greedy) appended; phase 1 {args.minutes:g} minutes
-of {args.round_seconds:g}-second rounds, alternating off, on, on, off, ...
+of {args.round_seconds:g}-second rounds, alternating off, on, on, off, ...; phase 2's two servers
+started {args.prestart_minutes:g} minutes before phase 1 ended (their start-up load fell on the
+last rounds of both arms).
 
 Throughput (generated tokens/s per round; "off": `STATEDIFF_ENGINE_PATCHES=1`, the same CPU
 stand-ins without the audit; "on": `STATEDIFF_LIVE_AUDIT`):
@@ -350,6 +383,7 @@ Both phase-2 servers (the fault one and one recording `STATEDIFF_TRACE`) were ki
 SIGKILL after {args.kill_after:g} s of traffic ({tallies[0].requests} and {tallies[1].requests} requests answered,
 the rest cut off): every logged incident is in the file ({in_file} of {len(logged)}), and
 `statediff recover soak.h5.parts -o recovered.h5` exited {rec.returncode}: "{(rec.stdout + rec.stderr).strip()[:200]}".
+{f"Phase 2 did not complete: {phase2_error}." if phase2_error else ""}
 """
     print(text)
     (tmp / "result.md").write_text(text)

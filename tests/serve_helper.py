@@ -63,8 +63,9 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
+        tail = self.tail()  # before stop() closes the log
         self.stop()
-        raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{self.tail()}")
+        raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{tail}")
 
     def tail(self, n: int = 4000) -> str:
         self._fh.flush()
