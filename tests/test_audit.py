@@ -152,6 +152,27 @@ def test_a_group_shortfall_is_named_with_both_lengths(tmp_path):
                       "nor recomputed")
 
 
+@pytest.mark.parametrize("keep", ["none", "all"])
+def test_kv_read_from_a_block_nobody_wrote_is_read_before_write(tmp_path, keep):
+    """Issue 34: a restored block that holds no write of this run (a drafter's blocks a connector
+    restoring only the target left empty) is "read, never written", not "not checkable"."""
+    r, f, key = _first(tmp_path, "kv-unwritten", keep)
+    assert key == ("read_before_write", 3, 48, 1, "attn.k")
+    assert [(g.check, g.kind) for g in r.findings] == [("read_before_write", "attn.k"),
+                                                       ("read_before_write", "attn.v"),
+                                                       ("block_table", "block_table")]
+    assert f.what == ("read, never written: KV-cache group 1 reads tokens [32, 48) from block 30, which nothing "
+                      "in this run wrote before step 10; these tokens' K/V were written by request 1 at step 5 "
+                      "into block 13")
+    assert f.expected == {"request": 1, "position": 48, "token_start": 32, "step": 5, "block": 13}
+    assert f.diagnosis == "block 30 is in no recorded allocation of this run (no hit_block_table row holds it)"
+    assert r.unchecked_count == 0 and r.checked["kv"] == 10
+    res = CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5")])
+    assert res.exit_code == 1
+    assert "finding 1 (read_before_write): request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k: " \
+        "read, never written" in res.stdout
+
+
 @pytest.mark.parametrize("keep", ["none", None])
 def test_a_restore_whose_saved_value_was_not_recorded_is_not_checkable(tmp_path, keep):
     r = audit_trace(write_hit_run(tmp_path / "hit.h5", keep=keep, omit_checkpoint=True))
@@ -185,3 +206,47 @@ def test_hits_with_no_checkable_restore_are_not_checked_not_clean(tmp_path):
         "values they restore): nothing checkable, so not clean")
     doc = json.loads(CliRunner().invoke(cli, ["audit", str(tmp_path / "hit.h5"), "--json"]).stdout)
     assert (doc["verdict"], doc["exit_code"]) == ("not_checked", 2)
+
+
+def test_a_drafter_layer_that_never_wrote_restored_tokens_is_read_before_write():
+    """Issue 34: a restore that filled the target's blocks only (a KV connector restoring the target's
+    layers; vLLM #47930's DFlash context never computed for restored tokens): the drafter's layer 5
+    has writes of its own (tokens it computed) but none of the restored tokens, the target's layer 1 has."""
+    from statediff.audit.checks import Context, check_restore
+    from statediff.audit.ledger import Rec
+
+    def rec(layer, start, end, role, step, block, request, digest="a" * 32):
+        return Rec(request=request, position=end, token_start=start, layer=layer, kind="attn.k", role=role,
+                   module=f"m{layer}", step=step, block=block, digest=digest, scheme="digest")
+    prompt = list(range(100, 164))
+    reqs = {0: {"prompt_token_ids": prompt[:40]}, 1: {"prompt_token_ids": prompt}}
+    recs = [rec(1, 0, 32, "kv_block", 0, 3, 0),  # the target wrote request 0's first block
+            rec(5, 32, 64, "kv_block", 4, 9, 1)]  # the drafter wrote only what request 1 computed
+    run = {"layers": [{"layer": 1, "group": 0, "block_size": 32}, {"layer": 5, "group": 1, "block_size": 32}]}
+    ctx = Context(run, reqs, recs)
+    found, why = check_restore(ctx, rec(5, 0, 32, "resumed", 4, 3, 1, digest="0" * 32))
+    assert why is None and found.check == "read_before_write"
+    assert found.what == ("read, never written: KV-cache group 1 reads tokens [0, 32) from block 3, which nothing "
+                          "in this run wrote before step 4; this layer never wrote these tokens' K/V in this run, "
+                          "while layer 1's were written by request 0 at step 0 into block 3")
+    # the target's own restore of that block is no finding; a layer with no captured write stays unchecked
+    assert check_restore(ctx, rec(1, 0, 32, "resumed", 4, 3, 1)) == (None, None)
+    assert check_restore(Context(run, reqs, recs[:1]), rec(5, 0, 32, "resumed", 4, 3, 1))[0] is None
+
+
+def test_the_text_is_the_one_rendering_of_findings_full_or_brief(tmp_path):
+    """``to_text`` is what ``audit``, ``check`` (``brief``: under its own heading) and the check's report print:
+    the first ``limit`` findings, then how many more and where they are."""
+    r = audit_trace(write_hit_run(tmp_path / "hit.h5", fault="kv-stale"))
+    head = ("RESTORE VIOLATION: first at request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k "
+            "(3 finding(s))")
+    full = r.to_text(limit=1, more="audit.json lists them all").splitlines()
+    assert full[:3] == [head, f"trace: {tmp_path / 'hit.h5'}",
+                        "requests: 4, hits: 2; checked: state 4, kv 10, block_table 4, first_chunk 4, group_hit 2"]
+    assert full[3].startswith("finding 1 (kv): request 3 position 48 layer 1 (model.layers.1.self_attn) attn.k: ")
+    assert full[-1] == "... 2 more finding(s) (audit.json lists them all)"
+    brief = r.to_text(limit=2, brief=True).splitlines()
+    assert brief[0] == head and brief[-1] == "... 1 more finding(s) (--json lists them all)"
+    assert [line.split(":")[0] for line in brief if line.startswith("finding")] == [
+        "finding 1 (kv)", "finding 2 (kv)"]
+    assert not any(line.startswith(("trace: ", "requests: ")) for line in brief)

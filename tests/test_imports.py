@@ -1,7 +1,10 @@
 """The import graph of statediff/ (static, ast): no cycle, and dependencies point one way.
 
-trace (the format) <- diff (the comparison) <- incident (reports, bundles) <- cli; replay beside them;
+trace (the format) <- diff (the comparison) <- incident (reports, bundles) <- verdict (one pair's audit,
+compare and report: ``check_pair``) <- cli; audit (one run alone) on the format only; replay beside them;
 errors, jsonutil and textsafe below everything; nothing imports the engine side (statediff_hooks) or torch.
+And the engine side (hooks/, statediff_hooks) never imports the offline CLI layer (``statediff.cli``): what
+it needs of the offline side is a library call (``statediff.verdict.check_pair``, ``statediff.diff.pair``).
 Every import counts, also those inside functions (a lazy import is still a dependency).
 """
 
@@ -13,18 +16,21 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "statediff"
+HOOKS = PKG.parent / "hooks"
 
 # package -> what else of statediff it may import (besides itself)
 ALLOWED = {
     "statediff.trace": {"statediff.errors", "statediff.jsonutil", "statediff.textsafe"},
     "statediff.replay": {"statediff.errors", "statediff.jsonutil"},
+    "statediff.audit": {"statediff.trace", "statediff.errors", "statediff.jsonutil", "statediff.textsafe"},
     "statediff.errors": set(),
     "statediff.jsonutil": set(),
     "statediff.textsafe": set(),
 }
 FORBIDDEN = {  # package -> packages it must not import
-    "statediff.diff": {"statediff.incident", "statediff.cli"},
-    "statediff.incident": {"statediff.cli"},
+    "statediff.diff": {"statediff.incident", "statediff.verdict", "statediff.cli"},
+    "statediff.incident": {"statediff.verdict", "statediff.cli"},
+    "statediff.verdict": {"statediff.cli"},
 }
 ENGINE = {"torch", "vllm", "transformers", "statediff_hooks"}
 
@@ -125,8 +131,8 @@ def violations(edges: dict[str, set[str]], mods: dict[str, Path]) -> list[str]:
 
 def test_statediff_has_no_import_cycle():
     mods = modules()
-    assert {"statediff.trace.reader", "statediff.diff.compare", "statediff.incident.bundle",
-            "statediff.cli"} <= set(mods)
+    assert {"statediff.trace.reader", "statediff.diff.compare", "statediff.diff.pair", "statediff.incident.bundle",
+            "statediff.verdict", "statediff.cli"} <= set(mods)
     assert cycles(graph(mods)) == []
 
 
@@ -157,3 +163,32 @@ def test_the_checks_catch_a_cycle_and_a_forbidden_edge(tmp_path):
 @pytest.mark.parametrize("package", sorted(ALLOWED) + sorted(FORBIDDEN))
 def test_every_rule_names_a_real_module(package):
     assert package in modules()
+
+
+def cli_uses(root: Path) -> list[str]:
+    """Each place under ``root`` (the engine side, hooks/) that reaches ``statediff.cli``: an import
+    (ast; relative ones resolved as if ``root`` were ``statediff_hooks``) or the name in the text at all
+    (an ``importlib`` string, a docstring pointing there), as 'file:line' or 'file -> module'."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        parts = ("statediff_hooks", *rel.with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        bad += [f"{rel} -> {t}" for t in sorted(imports(name, path)) if _under(t, "statediff.cli")]
+        bad += [f"{rel}:{i}" for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                if "statediff.cli" in line]
+    return bad
+
+
+def test_the_engine_side_never_imports_the_cli():
+    assert len(list(HOOKS.rglob("*.py"))) > 40  # the engine side is there (an empty walk would pass)
+    assert cli_uses(HOOKS) == []
+
+
+def test_the_hooks_rule_catches_an_import_and_a_string(tmp_path):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "check.py").write_text("def f():\n    from statediff.cli.shared import compare_pair\n")
+    (tmp_path / "cli" / "x.py").write_text("import importlib\nm = importlib.import_module('statediff.cli')\n")
+    (tmp_path / "ok.py").write_text("from statediff.verdict import check_pair\nfrom ..cli import record\n")
+    assert cli_uses(tmp_path) == ["check.py -> statediff.cli.shared", "check.py -> statediff.cli.shared.compare_pair",
+                                  "check.py:2", "cli/x.py:2"]

@@ -160,3 +160,49 @@ def test_the_plugin_refuses_a_bad_value_in_one_line_before_the_engine(monkeypatc
     assert capsys.readouterr().err == ("statediff: error: STATEDIFF_LIVE_AUDIT_PROMPTS='yes': expected 1 (incidents "
                                        "carry the prompt token ids) or 0 (the default: a digest of the prompt and "
                                        "its length)\n")
+
+
+def test_a_hit_requests_falling_acceptance_is_an_incident(tmp_path):
+    """Issue 34: the live audit reports a hit request whose drafter acceptance falls against the
+    engine's finished requests without a hit (three pooled counters)."""
+    a = auditor(tmp_path)
+
+    def acc(drafts, drafted, accepted):
+        return {"num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+    a.begin_request(0, "cmpl-a-0", PREFIX)
+    a.update_request(0, acceptance=acc(6, 18, 13))
+    a.update_request(0, finished=True)
+    a.begin_request(1, "cmpl-b-0", PREFIX + [3], num_cached_tokens=384)
+    a.update_request(1, acceptance=acc(6, 18, 12))  # as good as the pool: no incident
+    a.update_request(1, finished=True)
+    a.begin_request(2, "cmpl-c-0", PREFIX + [4], num_cached_tokens=384)
+    a.update_request(2, finished=True, acceptance=acc(16, 48, 0))
+    (line,) = (tmp_path / "inc.jsonl").read_text().splitlines()
+    got = json.loads(line)
+    assert (got["request_id"], got["check"], got["position"], got["num_cached_tokens"]) == ("cmpl-c-0", "acceptance",
+                                                                                           384, 384)
+    assert got["what"] == ("acceptance falls to 0 of 48 drafted tokens accepted (0%), mean acceptance length 1.00, "
+                           "against 13 of 18 drafted tokens accepted (72%), mean acceptance length 3.17 in the "
+                           "engine's requests without a hit")
+
+
+def test_kv_read_from_a_block_nobody_wrote_is_a_read_before_write_incident(tmp_path):
+    """Issue 34: the live audit names "read, never written" (a K/V block read at a hit from a block no
+    write of this engine filled, while the tokens' K/V were written elsewhere)."""
+    a = auditor(tmp_path)
+    a.begin_request(0, "cmpl-a-0", PREFIX + [1, 2])
+    for kind in ("attn.k", "attn.v"):
+        a.add_digest(s("a" if kind == "attn.k" else "b"), dtype="bfloat16", shape=(4,), request=0, position=BS,
+                     token_start=0, layer=1, kind=kind, role="kv_block", module="m1", step=0, block=7)
+    a.end_step()
+    a.begin_request(1, "cmpl-b-0", PREFIX + [3], num_cached_tokens=BS)
+    a.update_request(1, hit_block_table={"runner": [[], [30]], "scheduler": [[], [7]]})
+    a.add_digest(s("0", zero=True), dtype="bfloat16", shape=(4,), request=1, position=BS, token_start=0, layer=1,
+                 kind="attn.k", role="resumed", module="m1", step=3, block=30)
+    a.end_step()
+    got = [json.loads(x) for x in (tmp_path / "inc.jsonl").read_text().splitlines()]
+    assert [(g["request_id"], g["check"], g["position"], g["layer"], g["kind"]) for g in got] == [
+        ("cmpl-b-0", "read_before_write", BS, 1, "attn.k")]
+    assert got[0]["what"] == ("read, never written: KV-cache group 1 reads tokens [0, 128) from block 30, which "
+                              "nothing in this run wrote before step 3; these tokens' K/V were written by request "
+                              "0 at step 0 into block 7")

@@ -58,7 +58,9 @@ def check(ctx: click.Context, output_dir: str, exact: bool, overwrite: bool, ten
     check. DIR then holds hit.h5, hit.h5.log and audit.json.
 
     Exit codes: 0 the audit is clean and compare finds no divergence, 1 either
-    finds one, 2 error.
+    finds one, 2 error, or neither finds one while one vouches for nothing
+    (audit NOT CHECKED, compare CANNOT JUDGE: audit.json's and compare.json's
+    "verdict" say which).
     """
     if tensor_parallel_size is not None and tensor_parallel_size != 1:  # taken only to say why not
         raise StatediffError("check takes no --tensor-parallel-size: it audits and compares one trace per run; "

@@ -77,7 +77,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 @click.option("--fault", default=_D.fault, metavar="SPEC",
               help="Planted-fault self-check on the cache-hit path: ssm-wrong-block, conv-zero, kv-stale, kv-swap, "
                    "ssm-bf16, ssm-nan, logits (outputs only, no captured state), drafter-perturb, drafter-shift (inside the "
-                   "proposer) or drafter-kv-zero (with --speculative-config), recycled-slot (a request without a hit starts from another "
+                   "proposer), drafter-kv-zero or drafter-kv-unwritten (a drafter with its own KV-cache group) (with --speculative-config), recycled-slot (a request without a hit starts from another "
                    "request's state) or group-shortfall (the attention group's hit one block short; "
                    "'statediff audit' names both), optionally ':layer=N' and ':request=N'.")
 @click.option("--engine-fix", "engine_fixes", multiple=True, type=click.Choice(["gdn-ragged-drafts"]),
@@ -252,12 +252,19 @@ def check_target_dir(target: str) -> None:
 @click.command("build-tiny-model", short_help="Write a built-in tiny model (random weights).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), default=None,
               help="Directory (default: the built-in model cache).")
-@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "tp", "hybrid-fp8",
+@click.option("--kind", type=click.Choice(["hybrid", "dense", "eagle3", "mtp", "dflash", "dflash-own-group",
+                                             "dflash-sliding", "dflash-anchor-only", "dflash2", "dspark", "tp",
+                                             "hybrid-fp8",
                                              "hybrid-nvfp4", "mtp-fp8", "mtp-nvfp4"]),
               default="hybrid", show_default=True,
               help="hybrid: Qwen3-Next (GDN + attention); dense: Qwen2; eagle3: an EAGLE-3 drafter for --target; "
                    "mtp: the hybrid with an MTP head whose drafts are accepted (--model tiny-mtp); dflash: a vLLM "
-                   "DFlash drafter for --target (default the mtp hybrid) whose drafts that target accepts; "
+                   "DFlash drafter for --target (default the mtp hybrid) whose drafts are read from its context "
+                   "K/V and which that target accepts; dflash-own-group: the same with 4 KV heads of 64 (its own "
+                   "KV-cache group on the hybrid); dflash-sliding: the same with a sliding window (its own group "
+                   "on any target); dflash2 / dspark: its DFlash2 and DSpark twins (Model Runner V2 only; method dflash / "
+                   "dspark); dflash-anchor-only: the DFlash drafter that drafts the anchor token and gives "
+                   "its context no attention; "
                    "tp: the hybrid with 2 heads of every kind (--model tiny-tp, --tensor-parallel-size 2); "
                    "hybrid-fp8 / hybrid-nvfp4: the hybrid as a compressed-tensors FP8_DYNAMIC / NVFP4 target, "
                    "GDN layers and routed experts bf16 (--model tiny-fp8 / tiny-nvfp4); mtp-fp8 / mtp-nvfp4: the mtp "
@@ -269,8 +276,8 @@ def check_target_dir(target: str) -> None:
 @click.option("--overwrite", is_flag=True)
 def build_tiny_model_cmd(output, kind, target, seed, overwrite):
     """Write a built-in tiny model (random weights, offline tokenizer)."""
-    if target and kind not in ("eagle3", "dflash"):
-        raise StatediffError("--target is only for --kind eagle3 and --kind dflash")
+    if target and kind != "eagle3" and not kind.startswith(("dflash", "dspark")):
+        raise StatediffError("--target is only for --kind eagle3 and the DFlash/DSpark drafters")
     if target:
         check_target_dir(target)
     try:

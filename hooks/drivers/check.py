@@ -6,16 +6,16 @@ The steps, in order (``STEPS``; each names what it writes in the output director
 1. ``record-hit``: the hit run with the engine's own chunking (``record --mode hit
    --exact-split``; with ``--exact`` one block per step instead), ``hit.h5`` (engine
    log ``hit.h5.log``).
-2. ``audit-hit``: the one-run audit of the hit trace (``statediff audit hit.h5``,
-   ``statediff.audit.audit_trace``): every restore against what the same run saved,
+2. ``audit-hit``: the one-run audit of the hit trace (``statediff audit hit.h5``;
+   ``statediff.verdict.check_pair(hit.h5)``): every restore against what the same run saved,
    ``audit.json`` (what ``audit --json`` prints). A finding is a divergence on its own
    (exit 1, named before compare's verdict, and in ``report.md``); the cold run still
    runs, since compare judges what the audit cannot see (state computed wrong before
    it was saved). A clean audit does not end the check.
 3. ``record-cold``: the cold run shaped like the hit run (``--mode cold --exact-split
    --split-like hit.h5``; with ``--exact`` one block per step), ``cold.h5`` (``cold.h5.log``).
-4. ``compare``: ``statediff compare hit.h5 cold.h5``: ``compare.json`` (what
-   ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes, with
+4. ``compare``: ``statediff compare hit.h5 cold.h5`` (``check_pair(hit.h5, cold.h5)``,
+   the audit of step 2 reused): ``compare.json`` (what ``compare --json`` prints) and ``report.md`` (what ``statediff report`` writes, with
    the audit's section after its fields).
 
 With ``--concurrency N`` (N > 1) the hit run replays N copies side by side with the engine's
@@ -27,13 +27,14 @@ bit-identical to it (batched prefills), so the audit of the hit run is the check
 Each run is a ``statediff record`` subprocess (a fresh engine each, as ``ablate`` does;
 its progress bar and its error line reach this process's stderr). Every check that
 needs no engine (the options of both runs, the conversation against the model, the
-output directory) runs first, in this process (``prepare``).
+output directory) runs first, in this process (``prepare``). The verdict is the offline
+side's: ``statediff.verdict.check_pair`` audits, compares, builds the report and decides
+the title and exit code; this module records the runs, calls it and writes its files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -54,10 +55,6 @@ FILES = ("hit.h5", "cold.h5", "audit.json", "compare.json", "report.md", "hit.h5
 SKIP_COLD = ("cold run and compare skipped: with --concurrency {n} the copies' prefills are batched, so no cold "
              "run is bit-identical to the hit run (and compare pairs only runs of the same concurrency); "
              "the audit of the hit run is the check")
-
-#: Audit findings ``CheckResult.lines`` names (``audit.json`` lists them all).
-AUDIT_FINDINGS_SHOWN = 3
-
 
 @dataclasses.dataclass(frozen=True)
 class CheckOptions:
@@ -98,55 +95,41 @@ class CheckResult:
 
     Attributes:
         options: what was asked.
-        compare: the ``statediff.diff.result.CompareResult`` of hit.h5 against cold.h5 (None:
-            skipped, ``--concurrency N``).
         record_lines: what each ``statediff record`` printed, hit run first.
-        audit: the ``statediff.audit.AuditResult`` of hit.h5 alone.
+        verdict: the ``statediff.verdict.PairVerdict`` of hit.h5 (and cold.h5): the audit, the
+            comparison (None under ``--concurrency N``), the report, the exit code.
     """
 
     options: CheckOptions
-    compare: Any
     record_lines: tuple[str, ...]
-    audit: Any
+    verdict: Any
+
+    @property
+    def audit(self) -> Any:
+        """The ``statediff.audit.AuditResult`` of hit.h5 alone."""
+        return self.verdict.audit
+
+    @property
+    def compare(self) -> Any:
+        """The ``CompareResult`` of hit.h5 against cold.h5 (None: skipped, ``--concurrency N``)."""
+        return self.verdict.compare
 
     @property
     def exit_code(self) -> int:
-        """0 when the audit is clean and compare finds no divergence; 1 when either finds one
-        (no compare under ``--concurrency N``: the audit's)."""
-        return max(self.audit.exit_code, self.compare.exit_code if self.compare is not None else 0)
+        """The verdict's (``PairVerdict.exit_code``): 0 clean and no divergence, 1 either finds one."""
+        return self.verdict.exit_code
 
     def lines(self) -> list[str]:
-        """What each recording said first (``recorded 5 requests ...``), the audit of the hit run
-        (``audit_lines``), compare's text report (then ``AUDIT_OVER_SAME`` when the audit found a
-        violation and compare none), then where each file went."""
+        """What each recording said first (``recorded 5 requests ...``), the verdict's text (the
+        audit of the hit run, compare's text report, the check's answer when they disagree; under
+        ``--concurrency N`` the audit and ``SKIP_COLD``), then where each file went."""
         d = self.options.output_dir
         recorded = [line for line in self.record_lines if line.startswith("recorded ")]
         if self.compare is None:
-            return [*recorded, *audit_lines(self.audit), "",
-                    SKIP_COLD.format(n=self.options.base.concurrency), "",
+            return [*recorded, self.verdict.to_text(), "", SKIP_COLD.format(n=self.options.base.concurrency), "",
                     f"wrote {d}/: hit.h5 (engine log: hit.h5.log), audit.json"]
-        verdict = [AUDIT_OVER_SAME] if self.audit.exit_code == 1 and self.compare.first is None else []
-        return [*recorded, *audit_lines(self.audit), self.compare.to_text(), *verdict, "",
+        return [*recorded, self.verdict.to_text(), "",
                 f"wrote {d}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"]
-
-
-#: After compare's SAME, when the audit found a violation: the check's answer is the audit's.
-AUDIT_OVER_SAME = ("check: RESTORE VIOLATION (exit 1): the audit above names it; compare's SAME says only that "
-                   "the hit and cold runs agree within tolerance")
-
-
-def audit_lines(audit: Any, limit: int = AUDIT_FINDINGS_SHOWN) -> list[str]:
-    """``audit of the hit run: CLEAN: ...`` or ``... RESTORE VIOLATION: first at ...`` and its first
-    ``limit`` findings (request, position, layer, tensor; what the restored value matches; who
-    wrote the expected value), indented."""
-    out = [f"audit of the hit run: {audit.headline()}"]
-    if audit.incomplete:
-        out.append(f"  incomplete: {audit.incomplete}")
-    for f in audit.findings[:limit]:
-        out += [f"  {line}" for line in f"({f.check}) {f.report_text()}".splitlines()]
-    if len(audit.findings) > limit:
-        out.append(f"  ... {len(audit.findings) - limit} more finding(s) in audit.json")
-    return out
 
 
 def check_output_dir(output_dir: str, overwrite: bool) -> None:
@@ -232,8 +215,8 @@ class RecordFailed(Exception):
 
 def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None,
               progress: bool = False) -> CheckResult:
-    """Record the hit run, audit it, record the cold run, compare them; write ``audit.json``,
-    ``compare.json`` and ``report.md``.
+    """Record the hit run, audit it, record the cold run, compare them
+    (``statediff.verdict.check_pair``); write ``audit.json``, ``compare.json`` and ``report.md``.
 
     Args:
         say: receives one progress line per step (``[1/4] hit run ...``).
@@ -244,88 +227,47 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = lambda s: None
         StatediffError: bad input (before any engine starts) or a comparison that cannot be made.
         RecordFailed: a recording failed (its error line is printed already).
     """
+    from statediff.verdict import check_pair
+
     prepare(options)
     lines: list[str] = []
     form = "one block per step" if options.exact else "the engine's own chunking"
     n = options.base.concurrency
     if n > 1:
         form += f", {n} copies side by side"
-    result = None
+    hit = options.path("hit.h5")
+    verdict = None
     for step in STEPS:
         if n > 1 and step in ("record-cold", "compare"):
             if step == "record-cold":
                 say(f"[3/4] {SKIP_COLD.format(n=n)}")
             continue
         if step == "record-hit":
-            say(f"[1/4] hit run ({form}) -> {options.path('hit.h5')}")
+            say(f"[1/4] hit run ({form}) -> {hit}")
             lines += record_in_subprocess(options.run_options("hit"), options.timeout)
         elif step == "audit-hit":
             say(f"[2/4] audit the hit run -> {options.path('audit.json')}")
-            audit = audit_and_write(options)
+            verdict = check_pair(hit)  # the audit alone, written before the cold run starts
+            write_files(options, verdict)
         elif step == "record-cold":
             shape = "one block per step" if options.exact else "split like the hit run"
             say(f"[3/4] cold run ({shape}) -> {options.path('cold.h5')}")
             lines += record_in_subprocess(options.run_options("cold"), options.timeout)
         elif step == "compare":
             say(f"[4/4] compare -> {options.path('compare.json')}, {options.path('report.md')}")
-            result = compare_and_write(options, progress, audit)
-    return CheckResult(options, result, tuple(lines), audit)
+            verdict = check_pair(hit, options.path("cold.h5"), audit=verdict.audit, progress=progress)
+            write_files(options, verdict)
+    return CheckResult(options, tuple(lines), verdict)
 
 
-def audit_and_write(options: CheckOptions) -> Any:
-    """``statediff audit hit.h5``: write ``audit.json``; the ``AuditResult``.
-
-    Raises:
-        StatediffError: the hit trace cannot be read, or ``audit.json`` cannot be written.
-    """
-    from statediff.audit import audit_trace
-
-    audit = audit_trace(options.path("hit.h5"))
-    _write(options, "audit.json", json.dumps(audit.to_json(), indent=2) + "\n")
-    return audit
-
-
-def _write(options: CheckOptions, name: str, text: str) -> None:
-    try:
-        Path(options.path(name)).write_text(text, encoding="utf-8")
-    except OSError as e:
-        raise StatediffError(f"cannot write into {options.output_dir}: {e.strerror or e}") from None
-
-
-def audit_markdown(audit: Any) -> list[str]:
-    """The report's audit section: the verdict and every finding (``audit.json`` has the rest)."""
-    out = [f"`statediff audit hit.h5`: **{audit.headline()}**"]
-    if audit.incomplete:
-        out += ["", f"Incomplete trace: {audit.incomplete}"]
-    if audit.findings:
-        out += ["", "```text", *[f"({f.check}) {f.report_text()}" for f in audit.findings[:20]], "```"]
-        if len(audit.findings) > 20:
-            out.append(f"... {len(audit.findings) - 20} more finding(s) in audit.json")
-    return out
-
-
-def compare_and_write(options: CheckOptions, progress: bool, audit: Any = None) -> Any:
-    """``compare`` hit.h5 against cold.h5 with the default policy; write ``compare.json`` and
-    ``report.md`` (with ``audit``'s section when given); the ``CompareResult``.
+def write_files(options: CheckOptions, verdict: Any) -> None:
+    """Write the verdict's files (``PairVerdict.files``) into the output directory.
 
     Raises:
-        StatediffError: as ``statediff compare``; a file that cannot be written.
+        StatediffError: a file cannot be written (one line naming the directory).
     """
-    from statediff.cli.shared import compare_pair
-    from statediff.incident.record import build_report
-    from statediff.incident.reproduce import CompareOptions
-
-    cmp_options = CompareOptions()
-    result = compare_pair(Path(options.path("hit.h5")), Path(options.path("cold.h5")), cmp_options,
-                          progress=progress)
-    report = build_report(result, cmp_options)
-    if audit is not None:
-        report = dataclasses.replace(report, audit=audit_markdown(audit))
-        if audit.exit_code == 1 and result.first is None:  # the title must not read as a clean run
-            report = dataclasses.replace(
-                report, exit_code=1,
-                title=f"statediff: the one-run audit of the cache-hit run found a restore violation "
-                      f"({audit.headline()}); compare finds no divergence from the cold run")
-    _write(options, "compare.json", json.dumps(result.to_json(), indent=2) + "\n")
-    _write(options, "report.md", report.to_markdown())
-    return result
+    for name, text in verdict.files().items():
+        try:
+            Path(options.path(name)).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise StatediffError(f"cannot write into {options.output_dir}: {e.strerror or e}") from None

@@ -221,6 +221,10 @@ def make_recording(options: RecordingOptions) -> RecordingResult:
             conversation or the model are at fault; otherwise the engine's refusal or
             failure (a replay that failed part way leaves its trace marked incomplete).
     """
+    if options.engine != "transformers":  # Model Runner V2 on a CPU: before anything imports Triton
+        from ..vllm.replay import prepare_runner
+
+        prepare_runner()
     keep, reference = check_options(options)
     inputs = read_inputs(options, keep)
     if options.engine == "transformers":
@@ -404,7 +408,7 @@ def replay_on_vllm(options: RecordingOptions, inputs: Inputs, keep: Any) -> Repl
     if sweep is not None:
         from .sweep import summary as sweep_summary
 
-        lines = tuple(sweep_summary(sweep, res.num_cached_tokens, o.mode))
+        lines = tuple(sweep_summary(sweep, res.num_cached_tokens, o.mode, res.block_size))
     return Replayed(summary, lines, res.stats, res)
 
 

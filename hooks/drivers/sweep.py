@@ -10,12 +10,13 @@ by its tokenizer files are never drawn).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from statediff.errors import StatediffError
-from statediff.replay.sweep import Sweep, boundary_sweep
+from statediff.replay.sweep import Sweep, boundary_sweep, expected_hits
 
 BUILTIN_NAME = "builtin:sweep-boundaries"
 
@@ -91,15 +92,26 @@ def engine_sweep(kw: dict, *, blocks: int = 2, max_tokens: int = 16, seed: int =
                           max_tokens=max_tokens, seed=seed, exclude=special_token_ids(model))
 
 
-def summary(sweep: Sweep, hits: list[int], mode: str) -> list[str]:
+def summary(sweep: Sweep, hits: list[int], mode: str, engine_block: int | None = None) -> list[str]:
     """Lines ``statediff record`` prints after a sweep: lengths, expected vs measured hits.
 
-    ``mode`` "cold" expects no hit at all (a unique cache_salt per request).
+    ``mode`` "cold" expects no hit at all (a unique cache_salt per request). ``engine_block``: the
+    block size the started engine runs with (the run's ``block_size``); where it is not the one the
+    sweep was sized for (read before the engine starts: a hybrid's raise at engine start, and in
+    vLLM 0.33 its rounding up to the mamba prefill-checkpoint alignment, are not applied then) the
+    expected hits are those of the engine's block size, and a line says so.
     """
     cold = mode == "cold"
     lines = [f"  sweep (block size {sweep.block_size}, {sweep.num_speculative_tokens} speculative tokens): "
-             + ", ".join(f"{r.label}={r.length}" for r in sweep.requests),
-             f"  expected hit tokens per request:     {[0] * len(hits) if cold else sweep.expected_hits}"]
+             + ", ".join(f"{r.label}={r.length}" for r in sweep.requests)]
+    if engine_block and engine_block != sweep.block_size:
+        sized = sweep.block_size
+        want = expected_hits(sweep.lengths, engine_block)
+        sweep = dataclasses.replace(sweep, block_size=engine_block, requests=[
+            dataclasses.replace(r, expected_hit=w) for r, w in zip(sweep.requests, want)])
+        lines.append(f"  the engine runs with block size {engine_block}, not the {sized} the sweep was sized "
+                     "for (raised at engine start): expected hits are those of its block size")
+    lines.append(f"  expected hit tokens per request:     {[0] * len(hits) if cold else sweep.expected_hits}")
     bad = sweep.check(hits, cold=cold)
     lines += [f"  UNEXPECTED HIT: {b}" for b in bad] or ["  every request hit as expected"]
     return lines

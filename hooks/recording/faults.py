@@ -41,6 +41,12 @@ FAULTS = {
     # the drafter's own attention layers (an MTP or EAGLE head), in the cache memory itself
     "drafter-kv-zero": ("attn.k", 1, "the drafter's K and V of every cached block zeroed at the hit "
                         "(in the cache memory, before the step reads them)"),
+    # the drafter's own KV-cache group (a DFlash drafter unlike the target's attention): its runner row
+    # maps the cached blocks to blocks nothing wrote, as a KV connector restoring only the target's
+    # layers would leave the drafter's (vLLM #47930's never-written context)
+    "drafter-kv-unwritten": ("attn.k", 1, "the drafter's own KV-cache group reads every cached block from a "
+                             "block nothing in the run wrote (its runner block table row remapped at the hit), "
+                             "as a connector restoring only the target's layers would leave it"),
     # speculative decoding (hooks/vllm/v1/spec.py): fires in the first step after the hit
     "drafter-perturb": ("drafter.input", 1, "drafter input features of one tapped layer negated "
                         "at the rows right after the hit boundary, before the drafter reads them"),
@@ -188,6 +194,10 @@ class RestoreTarget(Protocol):
     def drafter_rows(self) -> Any:
         """The drafter-input rows right after the hit that the drafter reads next ``[n, H]``."""
 
+    def unwritten_kv_blocks(self, n: int) -> list[int] | None:
+        """Map logical blocks ``0 .. n-1`` of a drafter's own group to blocks nothing wrote; the
+        physical blocks now read, or None when the group is shared with the target."""
+
     def zero_kv_blocks(self, blocks: range) -> None:
         """Zero the K and V of logical blocks ``blocks`` of this layer in the cache memory."""
 
@@ -232,7 +242,7 @@ class FaultPlanter:
             return False
         if f.layer is not None and f.layer != site.layer:
             return False
-        if (f.name in ("drafter-kv-zero", "drafter-shift") and not site.drafter) or \
+        if (f.name in ("drafter-kv-zero", "drafter-kv-unwritten", "drafter-shift") and not site.drafter) or \
                 (f.name in KV_REMAPS and site.drafter):
             return False  # drafter-kv-zero/-shift act on the drafter's own inputs and layers, the KV remaps on the target's
         if f.family == "first":
@@ -275,6 +285,13 @@ class FaultPlanter:
             target.zero_kv_blocks(range(n))
             position = site.block_size  # the first zeroed block ends there: the earliest corrupted K/V
             extra["blocks"] = [0, n - 1]
+        elif name == "drafter-kv-unwritten":
+            n = site.hit // site.block_size
+            got = target.unwritten_kv_blocks(n)
+            if got is None:
+                return False  # the drafter shares its group with the target: remapping would move both
+            position = site.block_size
+            extra |= {"blocks": [0, n - 1], "read_from": got}
         elif name == "drafter-perturb":
             rows = target.drafter_rows()
             rows.neg_()  # in place: the drafter reads these rows next

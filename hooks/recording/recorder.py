@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from statediff.audit.live import LiveAuditor
-from statediff.replay.hits import HitLedger, drops_last_block
+from statediff.replay.hits import HitLedger, drops_last_block, hash_lookahead
 from statediff.trace import TraceWriter
 
 from .digest import summarize_rows
@@ -120,7 +120,7 @@ class Recorder:
         self.closed = False
         # hit accounting (statediff/replay/hits.py): the hit a perfect prefix cache could give
         bs = self._writer.run_field("block_size")
-        self._ledgers = ([HitLedger(bs) for _ in range(max(self.copies, 1))]
+        self._ledgers = ([HitLedger(bs, hash_lookahead(meta)) for _ in range(max(self.copies, 1))]
                          if isinstance(bs, int) and bs > 0 and not self.live else None)
         self._hits_running: set[int] = set()  # requests whose sampled tokens are not in the ledger yet
         self.keep = KeepPolicy(config.keep, bs if isinstance(bs, int) else None)

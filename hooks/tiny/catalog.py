@@ -28,9 +28,19 @@ TINY_MTP_NVFP4 = "tiny-mtp-nvfp4"  # tiny-mtp with its target NVFP4, the MTP hea
 KINDS = {TINY: "hybrid", TINY_DENSE: "dense", TINY_EAGLE3: "eagle3", TINY_MTP: "mtp", TINY_TP: "tp",
          TINY_FP8: "hybrid-fp8", TINY_NVFP4: "hybrid-nvfp4", TINY_MTP_FP8: "mtp-fp8", TINY_MTP_NVFP4: "mtp-nvfp4"}
 _DIRS = {"hybrid": "tiny-qwen3next", "dense": "tiny-qwen2", "eagle3": "tiny-eagle3-for-qwen2",
-         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp", "dflash": "tiny-dflash-for-qwen3next-mtp",
+         "mtp": "tiny-qwen3next-mtp", "tp": "tiny-qwen3next-tp", "dflash": "tiny-dflash-context-for-qwen3next-mtp",
+         "dflash-own-group": "tiny-dflash-context-hd64-for-qwen3next-mtp",
+         "dflash-sliding": "tiny-dflash-context-swa-for-qwen3next-mtp",
+         "dflash-anchor-only": "tiny-dflash-anchor-only-for-qwen3next-mtp",
+         "dflash2": "tiny-dflash2-context-for-qwen3next-mtp", "dspark": "tiny-dspark-context-for-qwen3next-mtp",
          "hybrid-fp8": "tiny-qwen3next-fp8", "hybrid-nvfp4": "tiny-qwen3next-nvfp4",
          "mtp-fp8": "tiny-qwen3next-mtp-fp8", "mtp-nvfp4": "tiny-qwen3next-mtp-nvfp4"}
+
+
+#: The context-reading DFlash drafters (``tiny/dflash_context.py``) by kind: their builder's options.
+DFLASH_CONTEXT_KINDS = {"dflash": {}, "dflash-own-group": {"head_dim": 64},
+                        "dflash-sliding": {"sliding_window": 64}, "dflash2": {"variant": "dflash2"},
+                        "dspark": {"variant": "dspark"}}
 
 
 def home() -> Path:
@@ -43,7 +53,10 @@ def tiny_model_dir(seed: int = 0, kind: str = "hybrid") -> Path:
 
     ``kind``: "hybrid" (Qwen3-Next), "dense" (Qwen2), "eagle3" (the drafter for "dense") or
     "mtp" (the hybrid with an MTP head whose drafts are accepted), "dflash" (vLLM's DFlash
-    drafter for "mtp", built to be accepted: ``tiny/dflash.py``), "tp" (the hybrid with 2 heads
+    drafter for "mtp" whose drafts are read from its context K/V, built to be accepted:
+    ``tiny/dflash_context.py``; "dflash-own-group" with 4 KV heads of 64, "dflash-sliding" with a
+    sliding window; "dflash2" / "dspark" the Model Runner V2 variants), "dflash-anchor-only" (the DFlash drafter that copies the anchor and gives its
+    context no attention: ``tiny/dflash.py``), "tp" (the hybrid with 2 heads
     of every kind, for ``--tensor-parallel-size 2``) or "hybrid-fp8" / "hybrid-nvfp4" (the hybrid
     as a compressed-tensors FP8_DYNAMIC / NVFP4 target, routed experts bf16: ``tiny/formats.py``),
     "mtp-fp8" / "mtp-nvfp4" (the "mtp" hybrid so, its MTP head bf16).
@@ -81,10 +94,15 @@ def build_tiny(kind: str, out: str | Path | None = None, seed: int = 0, *, targe
         from .mtp import build_tiny_mtp_model
 
         return build_tiny_mtp_model(out, seed=seed, overwrite=overwrite)
-    if kind == "dflash":
+    if kind == "dflash-anchor-only":
         from .dflash import build_tiny_vllm_dflash
 
         return build_tiny_vllm_dflash(out, target or build_tiny("mtp", seed=seed), seed, overwrite=overwrite)
+    if kind in DFLASH_CONTEXT_KINDS:
+        from .dflash_context import build_tiny_vllm_dflash_context
+
+        return build_tiny_vllm_dflash_context(out, target or build_tiny("mtp", seed=seed), seed, overwrite=overwrite,
+                                              **DFLASH_CONTEXT_KINDS[kind])
     from .draft import build_tiny_eagle3
 
     return build_tiny_eagle3(out, target or build_tiny("dense", seed=seed), seed, overwrite=overwrite)

@@ -1,4 +1,5 @@
-"""A tiny DFlash drafter for vLLM whose drafts the tiny MTP hybrid accepts (``build-tiny-model --kind dflash``).
+"""The anchor-only tiny DFlash drafter for vLLM (``build-tiny-model --kind dflash-anchor-only``): its mask
+slots draft the anchor token and give the context K/V no attention, so a stale context changes no draft.
 
 vLLM 0.32 format (``model_executor/models/qwen3_dflash.py``
 ``DFlashQwen3ForCausalLM``, architecture ``DFlashDraftModel``, ``model_type``

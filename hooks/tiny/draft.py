@@ -23,7 +23,9 @@ out_dir, ...}``. The format mirrors vLLM 0.32.0:
   ``d2t``/``t2d`` tables).
 - ``config/speculative.py`` / ``v1/worker/gpu_model_runner.py``
   ``_get_eagle3_aux_layers_from_config``: the tapped target layers come from
-  ``eagle_config.eagle_aux_hidden_state_layer_ids``. Layer id ``L`` is the
+  ``eagle_config.eagle_aux_hidden_state_layer_ids`` (Model Runner V2,
+  ``v1/worker/gpu/spec_decode/eagle/eagle3_utils.py``, reads only the top-level
+  ``eagle_aux_hidden_state_layer_ids``: both are written). Layer id ``L`` is the
   target's hidden state plus residual at the *input* of decoder layer ``L``
   (``L == num_hidden_layers``: after the last layer, before the final norm);
   the target concatenates them in ascending layer order.
@@ -110,6 +112,8 @@ def eagle3_config(target_cfg: dict[str, Any], aux_layer_ids: list[int]) -> dict[
             "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
             "use_aux_hidden_state": True,
         },
+        # Model Runner V2 reads the ids only here (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)
+        "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
     }
 
 

@@ -1,7 +1,9 @@
 """vLLM plugin entry point: the only place that patches vLLM.
 
-Declared in pyproject.toml under ``vllm.general_plugins``; vLLM calls
-``register()`` once in every process (front end, engine core, workers).
+vLLM calls ``register()`` once in every process (front end, engine core,
+workers) through ``entry.register``, the ``vllm.general_plugins`` entry point, which
+imports this module only when a variable asks for something (``entry.ASKING``): an
+installed statediff cannot stop a vLLM that did not ask for it.
 It does nothing unless ``STATEDIFF_TRACE`` names a trace path (or exact
 replay's ``STATEDIFF_SPLITS`` / ``STATEDIFF_EXACT_BLOCK`` is set, or
 ``STATEDIFF_LIVE_AUDIT`` names an incident file for a live audit under ``vllm serve``,
@@ -74,14 +76,16 @@ def _target_or_none(point: surface.PatchPoint) -> Any:
 
 
 def _around(before: Callable[[Any, dict], None] | None = None,
-            after: Callable[[Any, dict, Any], None] | None = None, *, start: bool = False) -> Callable[[Any], Any]:
+            after: Callable[[Any, dict, Any], None] | None = None, *, start: bool = False,
+            skip: Callable[[dict], bool] | None = None) -> Callable[[Any], Any]:
     """A wrapper factory for ``_patch``: the original, with the capture's hooks around it.
 
     ``before(capture, args)`` runs before the original and ``after(capture, args, result)``
     after it, where ``args`` are the call's arguments by name (``self`` and defaults included),
     each only while this process records, and through ``_guard`` (a capture error stops
     recording, never the engine). ``start``: the call's ``self`` is the runner whose first
-    step creates the capture (``_capture_for``).
+    step creates the capture (``_capture_for``). ``skip(args)`` true: a call the capture does not
+    see (Model Runner V2's profiling and warm-up runs are ``execute_model(dummy_run=True)``).
     """
 
     def factory(orig: Any) -> Any:
@@ -92,6 +96,8 @@ def _around(before: Callable[[Any, dict], None] | None = None,
             bound = sig.bind(*a, **kw)
             bound.apply_defaults()
             args = bound.arguments
+            if skip is not None and skip(args):
+                return orig(*a, **kw)
             cap = _capture_for(args["self"]) if start else _state["capture"]
             if before is not None and cap is not None:
                 _guard(lambda: before(cap, args))
@@ -126,11 +132,47 @@ CAPTURE_HOOKS: tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...] = (
 )
 
 
+def _v2_hooks() -> tuple[tuple[surface.PatchPoint, Callable[[Any], Any]], ...]:
+    """The capture's hooks on Model Runner V2 (``v2/surface.py`` names each method; ``v2/capture.py``)."""
+    from .v2 import surface as v2
+
+    return (
+        (v2.EXECUTE_MODEL, _around(lambda cap, a: cap.before_execute(a["scheduler_output"]), _after_execute,
+                                   start=True, skip=lambda a: bool(a.get("dummy_run")))),
+        (v2.SAMPLE_TOKENS, _around(after=lambda cap, a, out: cap.after_step(out))),
+        # before: a planted KV fault edits the slot's device row; after: the hit's K/V through the batch's tables
+        (v2.PREPARE_ATTN, _around(lambda cap, a: cap.before_prepare_attn(a["input_batch"]),
+                                  lambda cap, a, out: cap.after_prepare_attn(out))),
+        (v2.PREPROCESS_STATE, _around(after=lambda cap, a, out: cap.after_preprocess_state())),
+        (v2.PREPARE_ATTN_METADATA, _around(after=lambda cap, a, out: cap.after_attn_metadata(out))),
+        (v2.INITIALIZE_KV_CACHE, _check_fault_after),
+    ) + tuple((point, _around(lambda cap, a: cap.before_propose(a), lambda cap, a, out: cap.after_propose(out),
+                              skip=lambda a: bool(a.get("dummy_run"))))
+              for point in v2.SPECULATOR_PROPOSE)  # v2/spec.py; a class missing in this vLLM is skipped
+
+
+def _register_v2() -> None:
+    """Model Runner V2's hooks (``_v2_hooks``), where this vLLM has the runner; the capture is the runner's
+    that runs (``_capture_for``)."""
+    from .v2 import surface as v2
+
+    try:
+        v2.EXECUTE_MODEL.target()
+    except (ImportError, AttributeError):
+        return  # no Model Runner V2 in this vLLM
+    for point, factory in _v2_hooks():
+        try:
+            present = hasattr(point.target(), point.name)
+        except Exception:  # noqa: BLE001 - a speculator module this vLLM lacks or cannot import: its drafter unrecorded
+            present = False
+        if present:
+            _patch(point, factory)
+
+
 def register() -> None:
     """vLLM plugin hook: install the capture patches when STATEDIFF_TRACE is set."""
     if os.environ.get("STATEDIFF_DISABLE") == "1":
         return
-    _check_known_bugs()
     live = _live_config()  # STATEDIFF_LIVE_AUDIT: a bad value stops here, before the engine starts
     capture = bool(os.environ.get("STATEDIFF_TRACE") or os.environ.get("STATEDIFF_SPLITS")
                    or os.environ.get("STATEDIFF_EXACT_BLOCK") == "1" or live)
@@ -161,21 +203,7 @@ def register() -> None:
     if _fault_name() == "logits":  # the logits path is hooked only for the fault that edits it
         _patch(surface.SAMPLE, _around(lambda cap, a: cap.before_sample(a["logits"], a["spec_decode_metadata"])))
     _register_scheduler()
-    try:  # Model Runner V2 has no adapter yet: refuse it loudly rather than record nothing
-        _patch(surface.RUNNER_V2_INIT, _refuse_v2)
-    except ImportError:
-        pass
-
-
-def _check_known_bugs() -> None:
-    """Warn, when the engine's config is made, about known engine bugs it meets (``startup.py``,
-    ``statediff/enginebugs/known_bugs.toml``). Never raises: a failure is one line on stderr."""
-    try:
-        from . import startup
-
-        startup.install()
-    except Exception as e:  # noqa: BLE001 - statediff installed must never stop vLLM
-        _log(f"known-bug check off: {type(e).__name__}: {first_line(e)}")
+    _register_v2()  # statediff records whichever runner vLLM picks
 
 
 def _live_config() -> bool:
@@ -204,7 +232,8 @@ ENGINE_FIXES = {"gdn-ragged-drafts": "statediff_hooks.vllm.cpu.gdn_ragged_fix"}
 def install_engine_patches() -> list[dict]:
     """Install, in this process, the stand-ins an engine needs to run at all on this platform.
 
-    Today: ``cpu.mamba_align`` (vLLM's two Triton-only mamba align kernels, on a CPU
+    Today: ``cpu.triton_interpreter`` (Model Runner V2 chosen on a CPU: vLLM's own Triton kernels
+    in Triton's interpreter; the align stand-ins then step aside), ``cpu.mamba_align`` (vLLM's two Triton-only mamba align kernels, on a CPU
     without Triton, where vLLM has no CPU implementation of them), ``nvfp4_cpu`` (vLLM's
     NVFP4 emulation kernel registered for a CPU that lists no NVFP4 kernel) and, on vLLM without an
     override registry (0.30), ``kernel_overrides_v030.install_spec_dispatchers`` (vLLM's own
@@ -220,13 +249,13 @@ def install_engine_patches() -> list[dict]:
     import importlib
     import importlib.util
 
-    from .cpu import kernel_overrides_v030
-
+    from .cpu import kernel_overrides_v030, triton_interpreter
     from .cpu import mamba_align as mamba_align_cpu
-
     from .cpu import nvfp4 as nvfp4_cpu
 
-    out = mamba_align_cpu.install() + nvfp4_cpu.install()
+    # first: with Model Runner V2 on a CPU, vLLM's own Triton kernels run (the stand-ins then step aside)
+    out = triton_interpreter.install()
+    out += mamba_align_cpu.install() + nvfp4_cpu.install()
     if importlib.util.find_spec("vllm.triton_utils.dispatcher") is None:  # vLLM 0.29/0.30: no registry
         out += kernel_overrides_v030.install_spec_dispatchers()
     for name in filter(None, os.environ.get(ENGINE_FIX_ENV, "").split(",")):
@@ -240,15 +269,14 @@ def _engine_patches(runner: Any) -> list[dict]:
     """The installed engine patches this runner's configuration launches (run field ``engine_patches``)."""
     import importlib
 
-    from .cpu import kernel_overrides_v030
-
+    from .cpu import kernel_overrides_v030, triton_interpreter
     from .cpu import mamba_align as mamba_align_cpu
-
     from .cpu import nvfp4 as nvfp4_cpu
 
     fixes = [importlib.import_module(m).installed(runner) for m in ENGINE_FIXES.values()
              if m in sys.modules]  # only a fix this process installed has its module imported
-    return (mamba_align_cpu.installed(runner) + kernel_overrides_v030.spec_dispatchers_installed(runner)
+    return (triton_interpreter.installed(runner) + mamba_align_cpu.installed(runner)
+            + kernel_overrides_v030.spec_dispatchers_installed(runner)
             + nvfp4_cpu.installed(runner) + [p for f in fixes for p in f])
 
 
@@ -268,9 +296,11 @@ def check_trace_path(trace: str | None) -> None:
 
 
 def _register_scheduler() -> None:
-    """Exact replay's scheduler wrappers (``v1.sched``), when asked for."""
-    from .v1.sched import exact_wanted, load_plan, wrap_init_exact, wrap_split
+    """The scheduler's own block-drop answer (``v1.sched.wrap_init_note``), and exact replay's scheduler
+    wrappers (``v1.sched``), when asked for."""
+    from .v1.sched import exact_wanted, load_plan, wrap_init_exact, wrap_init_note, wrap_split
 
+    _patch(surface.SCHEDULER_INIT, wrap_init_note)
     plan = load_plan()
     if plan:  # exact replay, split form: the cold run splits prefills where the hit run did
         _patch(surface.SCHEDULER_SPLIT, lambda orig: wrap_split(orig, plan))
@@ -321,33 +351,20 @@ def check_fault_at_start(runner: Any) -> None:
     from ..recording.config import RecorderConfig
     from .effective import effective_config
 
+    from .v2 import surface as v2
+
     config = RecorderConfig.from_env()
     if config is None or config.fault is None:
         return
+    if v2.is_v2_runner(runner):
+        from .v2.capture import UNSUPPORTED_FAULTS
+
+        if config.fault.name in UNSUPPORTED_FAULTS:
+            raise RecordingRefused(f"fault {config.fault.spec} cannot be planted on Model Runner V2: "
+                                   f"{UNSUPPORTED_FAULTS[config.fault.name]} (VLLM_USE_V2_MODEL_RUNNER=0 plants it on V1)")
     problem = fault_problem(config.fault, effective_config(runner))
     if problem:
         raise RecordingRefused(problem)
-
-
-def v2_refusal(facts: surface.VersionFacts | None = None) -> str:
-    """The one line that refuses Model Runner V2: how to select V1 (and, where ``facts`` names
-    them, the options that force V2), what a V1 recording cannot show, what verifying V2 takes."""
-    forced = ""
-    if facts is not None and facts.v2_forced_by:
-        forced = (f" (and leave out {' and '.join(o.rsplit('.', 1)[-1] for o in facts.v2_forced_by)}, "
-                  f"which force V2 on vLLM {facts.version})")
-    return ("statediff has no adapter for vLLM Model Runner V2 (v1/worker/gpu/model_runner.py): set "
-            f"VLLM_USE_V2_MODEL_RUNNER=0{forced} to record with the V1 runner; a bug that lives only in "
-            "V2's code (v1/worker/gpu/) can then hide, since the V1 runner does not run it; verifying V2 "
-            "needs a V2 capture (its patch points and reads in hooks/vllm/surface.py) and the engine tests "
-            "passing on a machine where V2 runs (a GPU with Triton: the registry's Triton has no CPU backend)")
-
-
-def _refuse_v2(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def init(self: Any, *a: Any, **kw: Any) -> None:
-        raise UnsupportedEngine(v2_refusal(_adapter[0].facts if _adapter else None))
-    return init
 
 
 def _capture_for(runner: Any) -> Any:
@@ -358,12 +375,15 @@ def _capture_for(runner: Any) -> Any:
     from ..recording.recorder import Recorder
     from ..recording.config import RecorderConfig
     from .v1.capture import V1Capture, run_metadata
+    from .v2 import surface as v2
 
     config = RecorderConfig.from_env()
     if config is None:
         return None
     config, tp = _rank_config(config, runner)
-    rec = Recorder(config, run_metadata(runner, _adapter[0] if _adapter else None))
+    is_v2 = v2.is_v2_runner(runner)
+    rec = Recorder(config, run_metadata(runner, _adapter[0] if _adapter else None, "v2" if is_v2 else "v1",
+                                        v2.RUNNER_NAME if is_v2 else surface.RUNNER_NAME))
     if tp is not None:
         rec.set_run(tensor_parallel=tp)  # this rank, the world size, the shard layout (v1/tp.py)
         _scheduler_budget_of_rank(rec, runner)
@@ -374,7 +394,12 @@ def _capture_for(runner: Any) -> Any:
     if config.live is None:
         _stop_note(config.trace).unlink(missing_ok=True)  # a note left by an earlier program is not this one's
     _state["recorder"] = rec
-    _state["capture"] = cap = V1Capture(rec, runner)
+    if is_v2:
+        from .v2.capture import V2Capture
+
+        _state["capture"] = cap = V2Capture(rec, runner)
+    else:
+        _state["capture"] = cap = V1Capture(rec, runner)
     if rec.live:  # this process's live-audit counters, for the front end's /metrics
         _state["metrics"] = _metrics_call(lambda: metrics.AuditMetrics(rec, (tp or {}).get("rank", 0)))
     return cap

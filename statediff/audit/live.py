@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from statediff.trace.acceptance import AcceptanceFinding, RequestAcceptance, falls, per_request
+
 from .checks import (Context, block_table_findings, check_restore, expected_write, first_chunk_findings,
                      group_hit_findings)
 from .ledger import WRITE_ROLES, Ledger, Rec, rec_from_summary
@@ -185,6 +187,7 @@ class LiveAuditor:
         self._touched: set[int] = set()
         self._done: dict[int, set[str]] = defaultdict(set)
         self._reported: set[int] = set()
+        self._pool = [0, 0, 0]  # drafts, drafted, accepted of finished requests without a hit
         self.ctx = LiveContext(self.run, self)
         self.stats = {"restores_checked": 0, "not_checkable": 0, "fields_checked": 0, "incidents": 0,
                       "incidents_dropped": 0}
@@ -206,6 +209,7 @@ class LiveAuditor:
         if index not in self.requests:
             return
         if "finished" in fields:  # nothing of it is checked any more: forget it (bounded memory)
+            self._acceptance(index, fields.get("acceptance", self.requests[index].get("acceptance")))
             self._forget(index)
             return
         self.requests[index].update(fields)
@@ -330,6 +334,21 @@ class LiveAuditor:
         h.update(np.asarray(toks[:n], dtype=np.int64).tobytes())
         got = self._prefix[(index, n)] = h.hexdigest()
         return got
+
+    def _acceptance(self, index: int, acc: Any) -> None:
+        """A finished request's drafter acceptance: pooled when it had no prefix-cache hit; reported
+        (check "acceptance") when it had one and its acceptance falls against that pool
+        (``statediff.trace.acceptance``; three counters kept, whatever the traffic)."""
+        got = per_request({index: {"acceptance": acc}}).get(index)
+        hit = self.requests[index].get("num_cached_tokens") or 0
+        if got is None:
+            return
+        if not hit:
+            self._pool = [a + b for a, b in zip(self._pool, (got.drafts, got.drafted, got.accepted))]
+        elif falls(got, pool := RequestAcceptance(*self._pool)):
+            text = AcceptanceFinding(index, hit, got, pool, "the engine's requests without a hit").text()
+            self._report(Finding("acceptance", index, hit, -1, "acceptance", "", -1,
+                                 text.split(": ", 1)[1]), None)
 
     def _forget(self, index: int) -> None:
         for d in (self.requests, self.tokens, self._initial, self._done):

@@ -26,7 +26,10 @@ class Finding:
             "block_owner" (the block restored from last held another prefix), "initial" (a
             first chunk without a hit that reads its slot, which is not zeros) or
             "first_chunk" (a hit whose first chunk the kernel treats as having no prior state) or
-            "group_hit" (KV-cache groups whose final hit lengths disagree; kind "group_hit").
+            "group_hit" (KV-cache groups whose final hit lengths disagree; kind "group_hit") or
+            "read_before_write" (K/V read at a hit from a block nothing in the run wrote, while
+            the run wrote those tokens' K/V elsewhere: "read, never written", any group, drafters'
+            included).
         request, position, layer, kind, module: the restored tensor (position in tokens:
             the state's boundary, or the end of the K/V block's token range);
             ``kind`` "block_table" for a block-table finding.
@@ -142,20 +145,30 @@ class AuditResult:
             return "CLEAN: no request resumed from a prefix-cache hit (nothing restored to audit)"
         return f"CLEAN: {n} restored tensor(s) of {self.hits} hit(s) read exactly what the run saved"
 
-    def to_text(self) -> str:
-        out = [f"INCOMPLETE: {self.incomplete}"] if self.incomplete else []
-        out += [self.headline(), f"trace: {self.path}",
-                f"requests: {self.requests}, hits: {self.hits}; checked: "
-                + ", ".join(f"{k} {v}" for k, v in self.checked.items())]
-        if self.unchecked_count:
-            out.append(f"not checkable: {self.unchecked_count} restored tensor(s) "
-                       "(the trace holds no write of the value they restore)")
-            out += [f"  {u}" for u in self.unchecked]
+    def to_text(self, limit: int = 20, more: str = "--json lists them all", brief: bool = False) -> str:
+        """The audit as text, the one rendering of its findings (``audit``, ``check`` and the check's
+        report all print this): why the trace is incomplete, the headline, what was checked, the
+        unchecked restores, warnings, then the first ``limit`` findings (``Finding.report_text``) and
+        how many more there are (``more``: where to find them).
+
+        ``brief``: without the trace, counts and unchecked lines (``statediff check`` prints the audit
+        under its own heading, the headline first)."""
+        out = [self.headline()]
+        if self.incomplete:
+            out.insert(0 if not brief else 1, f"INCOMPLETE: {self.incomplete}")
+        if not brief:
+            out += [f"trace: {self.path}",
+                    f"requests: {self.requests}, hits: {self.hits}; checked: "
+                    + ", ".join(f"{k} {v}" for k, v in self.checked.items())]
+            if self.unchecked_count:
+                out.append(f"not checkable: {self.unchecked_count} restored tensor(s) "
+                           "(the trace holds no write of the value they restore)")
+                out += [f"  {u}" for u in self.unchecked]
         out += [f"warning: {w}" for w in self.warnings]
-        for i, f in enumerate(self.findings[:20], 1):
+        for i, f in enumerate(self.findings[:limit], 1):
             out.append(f"finding {i} ({f.check}): {f.report_text()}")
-        if len(self.findings) > 20:
-            out.append(f"... {len(self.findings) - 20} more finding(s) (--json lists them all)")
+        if len(self.findings) > limit:
+            out.append(f"... {len(self.findings) - limit} more finding(s) ({more})")
         return "\n".join(out)
 
     def to_json(self) -> dict:

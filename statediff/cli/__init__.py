@@ -130,7 +130,9 @@ class StatediffGroup(click.Group):
 def cli() -> None:
     """Record and diff inference-engine state around prefix-cache hits.
 
-    Exit codes: 0 same (or nothing found), 1 divergence, 2 error.
+    Exit codes: 0 same (or nothing found), 1 divergence, 2 error, or a verdict
+    that vouches for nothing (compare: CANNOT JUDGE, audit: NOT CHECKED; with
+    --json their object's "verdict" says so, an error prints no JSON).
     """
 
 

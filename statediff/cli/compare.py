@@ -6,16 +6,17 @@ from pathlib import Path
 
 import click
 
-from .shared import (OUT_FILE, PATH, compare_options, compare_pair, emit, json_option, progress_wanted,
-                     refuse_existing, warn)
+from .shared import OUT_FILE, PATH, compare_options, emit, json_option, progress_wanted, refuse_existing, warn
 
 
 def compare_set_or_pair(hit: Path, cold: Path, options, **kw):
     """Two tensor-parallel sets rank by rank (``statediff.diff.ranks``: a ``RankedResult``), else the
-    pair (``compare_pair``)."""
+    pair (``statediff.diff.pair.compare_pair``)."""
+    from statediff.diff.pair import compare_pair
     from statediff.diff.ranks import compare_ranks
     from statediff.trace import open_trace
 
+    kw = dict(kw, warn=warn)
     ranked = compare_ranks(hit, cold, open_trace(hit).run, open_trace(cold).run,
                            lambda h, c: compare_pair(h, c, options, **kw),
                            lambda s, n, single, side: _merged_compare(s, n, single, side, options, **kw))
@@ -29,6 +30,7 @@ def _merged_compare(set0: Path, size: int, single: Path, side: str, options, **k
     import dataclasses
     import tempfile
 
+    from statediff.diff.pair import compare_pair
     from statediff.diff.ranks import merge_set
     from statediff.errors import StatediffError
 
@@ -79,7 +81,8 @@ def compare_cmd(ctx: click.Context, hit: Path, cold: Path | None, options, as_js
     the sketch's estimate of the L2 error against the tolerance; when the
     root has no data, the report prints the two 'statediff record --focus'
     commands that record it (--json: "focus" and "focus_commands").
-    Exit 0 no divergence, 1 divergence, 2 error.
+    Exit 0 no divergence, 1 divergence, 2 error or CANNOT JUDGE (--json:
+    "verdict": "cannot-judge"; an error prints no JSON, one line on stderr).
 
     Tensor-parallel recordings (record --tensor-parallel-size N): give each
     set's rank-0 trace; rank r is compared with rank r, shard by shard, and

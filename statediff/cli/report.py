@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from statediff.textsafe import for_terminal
 
 from .shared import OUT_FILE, PATH, compare_options, emit, json_option, refuse_existing, write_text_atomic
 
@@ -30,7 +31,8 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
     commands that reproduce it; 'unknown' where the traces do not say.
     Tensor-parallel recordings: give each set's rank-0 trace; the record is the
     root rank's, its title names the rank.
-    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error.
+    Exit codes are those of 'statediff compare': 0 no divergence, 1 divergence, 2 error
+    or CANNOT JUDGE (--json: "verdict": "cannot-judge"; an error prints no JSON).
     """
     from statediff.incident.record import build_report
 
@@ -41,7 +43,7 @@ def report_cmd(ctx: click.Context, hit: Path, cold: Path, output: Path | None, o
     report = build_report(compare_set_or_pair(hit, cold, options), options)
     if output is not None:
         write_text_atomic(output, report.to_markdown())
-        click.echo(f"wrote {output}: {report.title}")
+        click.echo(for_terminal(f"wrote {output}: {report.title}"))
     else:
         emit(report, as_json)
     ctx.exit(report.exit_code)

@@ -1,4 +1,5 @@
-"""What the offline commands share, declared once: options, output, and how a pair is compared."""
+"""What the offline commands share, declared once: options and output (how a pair is judged:
+``statediff.diff.pair``)."""
 
 from __future__ import annotations
 
@@ -14,24 +15,12 @@ from typing import Any
 import click
 
 from statediff.diff.defaults import DEFAULT_FACTOR
+from statediff.diff.pair import same_file
 from statediff.errors import StatediffError
-from statediff.textsafe import for_terminal
+from statediff.textsafe import for_terminal, one_line
 
 PATH = click.Path(path_type=Path)
 OUT_FILE = click.Path(dir_okay=False, path_type=Path)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """The same file by path or by inode (a hard link, a symlink, ``./x`` and ``x``)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """The same file by path or by inode (``_same_file``)."""
-    return _same_file(a, b)
 
 
 def refuse_existing(path: Path, overwrite: bool, inputs: tuple[Path, ...] = ()) -> None:
@@ -79,44 +68,9 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def warn(message: str) -> None:
-    """One warning line on stderr (the verdict and exit code stay those of the result)."""
-    click.echo("statediff: warning: " + " ".join(str(message).split()), err=True)
-
-
-def compare_pair(hit: Path, cold: Path, options: Any, **kw: Any) -> Any:
-    """``compare`` HIT against COLD once, for compare, extract and report.
-
-    Refuses a trace paired with itself: the same file (path or inode), or a
-    copy of it (identical run metadata, creation time included). Warns on
-    stderr when both traces were recorded in the same mode (two hit runs
-    compare a run with itself, not a hit with a cold run).
-
-    Args:
-        options: the ``CompareOptions`` that judge the pair.
-        kw: further ``compare`` keywords (``progress``, ``max_listed``, ``stop_at_first``).
-    Returns:
-        the ``CompareResult``.
-    Raises:
-        StatediffError: ``--noise-factor`` without ``--noise``; the same trace twice; as ``compare``
-            otherwise.
-    """
-    from statediff.diff import compare as compare_mod
-
-    if options.noise_factor is not None and options.noise is None:
-        raise StatediffError(f"--noise-factor {options.noise_factor:g} needs --noise NOISE.json: it multiplies the "
-                             "calibrated envelopes, and without --noise nothing would use it")
-    if _same_file(hit, cold):
-        raise StatediffError(f"{hit} and {cold} are the same file: give a cache-hit trace and a cold trace "
-                             "of the same conversation")
-    result = compare_mod.compare(hit, cold, **options.kwargs(), **kw)
-    h, c = result.hit.run, result.cold.run
-    if h.get("created_unix") is not None and h == c:
-        raise StatediffError(f"{hit} and {cold} are copies of the same trace (identical run metadata, "
-                             "recorded at the same time): give a cache-hit trace and a cold trace")
-    if h.get("mode") is not None and h.get("mode") == c.get("mode"):
-        warn(f"both traces are {h['mode']} runs (mode {h['mode']}): a cache-hit trace is compared with a "
-             "cold trace ('statediff record --mode hit' and '--mode cold')")
-    return result
+    """One warning line on stderr (the verdict and exit code stay those of the result); escaped as an
+    error line is (``one_line``): a warning may quote a trace's run metadata."""
+    click.echo("statediff: warning: " + one_line(" ".join(str(message).split())), err=True)
 
 
 def emit(result: Any, as_json: bool) -> None:
@@ -140,7 +94,7 @@ def compare_options(f: Callable) -> Callable:
     def wrapper(*args: Any, tol: tuple[str, ...], noise: Path | None, noise_factor: float | None,
                 allow_engine_mismatch: bool, allow_noise_in_exact: bool, allow_incomplete: bool,
                 strict_hits: bool, **kw: Any) -> Any:
-        from statediff.incident.reproduce import CompareOptions
+        from statediff.diff.pair import CompareOptions
 
         if noise_factor is not None and not (math.isfinite(noise_factor) and noise_factor > 0):
             raise StatediffError(f"--noise-factor must be a finite number above 0, not {noise_factor:g}")

@@ -172,18 +172,24 @@ def check_comparable(a: Trace, b: Trace, *, allow_engine_mismatch: bool = False,
 
 
 def versions_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Both runs (run metadata) name their engine version, and the versions differ."""
-    va, vb = a.get("engine_version"), b.get("engine_version")
-    return va is not None and vb is not None and va != vb
+    """Both runs (run metadata) name their engine version, and the versions differ; or both name the
+    model runner that ran (run field ``model_runner``: vLLM's "v1" or "v2"), and the runners differ."""
+    return any(a.get(k) is not None and b.get(k) is not None and a.get(k) != b.get(k)
+               for k in ("engine_version", "model_runner"))
+
+
+def _engine_text(run: Mapping[str, Any]) -> str:
+    runner = f" (model runner {run['model_runner']})" if run.get("model_runner") else ""
+    return f"{run.get('engine') or 'an engine'} {run.get('engine_version') or '(version unknown)'}{runner}"
 
 
 def _engine_versions(a: Mapping[str, Any], b: Mapping[str, Any], allow: bool, names: tuple[str, str]) -> list[str]:
-    """Two engine versions: "runs not comparable" (one line naming both), or with ``allow`` a warning
-    that names both and says they are judged by tolerance (``both_exact`` is then False)."""
+    """Two engine versions or model runners: "runs not comparable" (one line naming both), or with
+    ``allow`` a warning that names both and says they are judged by tolerance (``both_exact`` is then
+    False: two runners run different kernels)."""
     if not versions_differ(a, b):
         return []
-    both = (f"the {names[0]} trace was recorded on {a.get('engine') or 'an engine'} {a['engine_version']}, "
-            f"the {names[1]} trace on {b.get('engine') or 'an engine'} {b['engine_version']}")
+    both = f"the {names[0]} trace was recorded on {_engine_text(a)}, the {names[1]} trace on {_engine_text(b)}"
     if not allow:
         raise NotComparableError(f"runs not comparable: {both} (--allow-engine-mismatch compares them by "
                                  "tolerance)")

@@ -5,9 +5,10 @@ tokens; chunked GDN and conv1d kernels are not split-invariant, so a state can
 differ by rounding. Measured on real pairs (docs/replay.md, "Default replay:
 the noise model"), the relative L2 error ``||hit - cold|| / ||cold||`` of a
 captured state stayed at or below ``4.46 u`` (``u = 2**-8``, the bfloat16
-unit roundoff), so, when a pair is judged by its dtype default (no ``--tol``
-rule matched, no noise file, not exact replay) and exceeds it elementwise,
-its relative L2 error decides:
+unit roundoff), so, when a pair's tolerance is the policy's ``REPLAY_BAND``
+rule (``tolerance.Policy``: its dtype default in default replay, no ``--tol``
+rule matched, no noise file, one engine version) and it exceeds that
+elementwise, its relative L2 error decides:
 
 - ``<= NOISE_MAX`` (8 u): rounding noise of different chunking, not a divergence;
 - ``> ROOT_MIN`` (16 u): beyond the noise model, a divergence (it can be a root);
@@ -43,12 +44,6 @@ def band(rel_l2: float | None, high: float | None = None) -> str:
     if hi <= NOISE_MAX:
         return "noise"
     return "beyond" if rel_l2 > ROOT_MIN else "unsure"
-
-
-def applies(tolerance_source: str, exact: bool, noise_file: bool) -> bool:
-    """Whether the band judges a pair: default replay, no noise file, and the pair's tolerance
-    is its dtype default (``tolerance.Policy``; not a ``--tol`` rule)."""
-    return not exact and not noise_file and tolerance_source.startswith("dtype default")
 
 
 @dataclasses.dataclass(frozen=True)

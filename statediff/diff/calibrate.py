@@ -20,9 +20,9 @@ from statediff.trace.schema import IDENTITY_KEYS
 from .align import align, check_comparable, stream_part
 from .metrics import measure_pair
 from .noise import FORMAT, VERSION, Envelope
-from .tolerance import Tolerance
+from .tolerance import Tolerance, ToleranceKind
 
-_EXACT = Tolerance(0.0, 0.0, "calibration")
+_EXACT = Tolerance(0.0, 0.0, ToleranceKind.EXACT, "calibration")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,17 +40,17 @@ from statediff.trace.summary import Summary, estimate_l2, l2_budget
 from .align import (Entry, Pair, Plan, StreamPart, align, both_exact, check_comparable, check_scheduling,
                     stream_part, versions_differ)
 from .band import BandSummary, band
-from .band import applies as band_applies
 from .diagnose import DigestCache, diagnose, has_data, match_block
 from .diverge import classify
 from .metrics import PairMetrics, measure_pair
 from .defaults import DEFAULT_FACTOR
 from .noise import load_noise
+from statediff.trace.acceptance import acceptance_findings
 from .drafts import DraftDiff, first_drafts_diff
 from .outputs import OutputDiff, OutputTolerance, first_output_diff
 from .result import (MAX_UNPAIRED_LISTED, BlockTableFinding, CompareResult, DigestSummary, Divergence,
                      InputsDiffer, RequestRow, SketchJudgement, TraceSide, Unpaired)
-from .tolerance import Policy, Rule, Tolerance, parse_rule
+from .tolerance import Policy, Rule, Tolerance, ToleranceKind, ToleranceUse, parse_rule
 
 MAX_DIAGNOSED = 5
 NEIGHBOUR_BLOCKS = 4  # default replay: a differing digest is checked against the 4 nearest cold blocks
@@ -108,7 +108,7 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
         traces = paths.map(lambda p: stack.enter_context(open_trace(p)))
         incomplete = _incomplete(paths, traces, allow_incomplete)
         warnings, exact = _comparable(paths, traces, allow_engine_mismatch)
-        policy = _policy(rules, exact, model, noise, traces.cold, allow_noise_in_exact)
+        policy = _policy(rules, exact, model, noise, traces, allow_noise_in_exact)
         plan = align(*traces.map(lambda t: [*t.entries, *getattr(t, "digests", ())]))
         indices = sorted(set(traces.hit.requests) | set(traces.cold.requests))
         parts = {i: p for i in indices if (p := stream_part(traces.hit.requests, traces.cold.requests, i)) is not None}
@@ -135,7 +135,15 @@ def compare(hit_path: PathLike, cold_path: PathLike, *, tol: Sequence[str | Rule
             inputs_differ=_inputs_differ(judged, parts, max_listed), digests=_digest_summary(judged),
             block_tables=_block_tables(traces), outside_capture=_outside_capture(traces.hit),
             hit_findings=hit_findings, strict_hits=strict_hits, incomplete=incomplete, near_ties=near_ties,
-            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), not exact and model is None and judged.band_ok))
+            band=BandSummary(judged.band_noise, tuple(judged.band_unsure), policy.default_kind is ToleranceKind.REPLAY_BAND),
+            tolerances=_tolerance_use(judged, policy),
+            acceptance=acceptance_findings(traces.hit.requests, traces.cold.requests))
+
+
+def _tolerance_use(judged: "_Judging", policy: Policy) -> ToleranceUse:
+    """How many judged pairs each rule of the policy judged, and its default (what the report names)."""
+    return ToleranceUse({k.value: judged.kinds[k] for k in ToleranceKind if judged.kinds[k]},
+                        policy.default_kind, len(policy.rules), policy.noise is not None)
 
 
 def _judging_warnings(judged: "_Judging", exact: bool) -> list[str]:
@@ -171,17 +179,18 @@ def _comparable(paths: Pair, traces: Pair[Trace], allow_engine_mismatch: bool) -
     return warnings, exact
 
 
-def _policy(rules: tuple[Rule, ...], exact: bool, model, noise: PathLike | None, cold: Trace,
+def _policy(rules: tuple[Rule, ...], exact: bool, model, noise: PathLike | None, traces: Pair[Trace],
             allow_noise_in_exact: bool) -> Policy:
     """The tolerance policy; a noise file is refused in exact mode (unless allowed) and when it was
-    calibrated on other traces."""
+    calibrated on other traces. In default replay without a noise file the dtype default comes with
+    the default-replay noise model (``band``), unless the engine versions differ: it was measured on one."""
     if model is not None:
         if exact and not allow_noise_in_exact:
             raise StatediffError(
                 f"both traces replayed exactly, where any differing bit is a finding; refusing "
                 f"noise file {noise} (use --allow-noise-in-exact to judge by it anyway)")
-        model.check_matches(cold, check_replay=not allow_noise_in_exact)
-    return Policy(rules, exact, model)
+        model.check_matches(traces.cold, check_replay=not allow_noise_in_exact)
+    return Policy(rules, exact, model, band=not versions_differ(traces.hit.run, traces.cold.run))
 
 
 def _side(path: PathLike, t: Trace) -> TraceSide:
@@ -243,7 +252,7 @@ class _Judging:
     unjudged: list[Pair[Entry]] = dataclasses.field(default_factory=list)
     band_noise: int = 0  # default replay: beyond the dtype default, within the noise model (band.py)
     band_unsure: list[tuple] = dataclasses.field(default_factory=list)
-    band_ok: bool = True  # the noise model may judge this pair (one engine version)
+    kinds: Counter = dataclasses.field(default_factory=Counter)  # judged pairs per ToleranceKind
     damage: DamageCheck = dataclasses.field(default_factory=DamageCheck)  # data under unread verdicts
 
     def by_band(self, c: Entry, rel_l2: float | None, high: float | None = None) -> bool:
@@ -262,8 +271,7 @@ def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, Str
            digests: DigestCache, progress: bool, stop_at_first: bool) -> _Judging:
     """Judge every pair both runs reached with the same tokens (or up to the first divergent one)."""
     hit, cold = traces
-    # The noise model was measured on one engine version: two versions are judged by tolerance alone.
-    j = _Judging(band_ok=not versions_differ(hit.run, cold.run))
+    j = _Judging()
     for p in tqdm(plan.pairs, desc="comparing", unit="pair", disable=not progress, leave=False):
         c = p.cold
         part = parts.get(c.request)
@@ -275,9 +283,10 @@ def _judge(plan: Plan, traces: Pair[Trace], policy: Policy, parts: dict[int, Str
             break
         j.judged += 1
         tol = policy.for_pair(p.hit, c)
-        if policy.noise is not None and tol.noise_max_abs is None and not tol.source.startswith("--tol"):
+        j.kinds[tol.kind] += 1
+        if policy.noise is not None and tol.kind not in (ToleranceKind.USER_RULE, ToleranceKind.NOISE_ENVELOPE):
             j.no_envelope += 1
-        use_band = j.band_ok and band_applies(tol.source, policy.exact, policy.noise is not None)
+        use_band = tol.kind is ToleranceKind.REPLAY_BAND
         if p.digest_only:
             f = _judge_digest(p, traces, tol, digests, j, use_band)
         else:

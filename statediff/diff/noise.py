@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from statediff.errors import MismatchError, StatediffError
 from .defaults import DEFAULT_FACTOR
-from .tolerance import Tolerance, dtype_default
+from .tolerance import Tolerance, ToleranceKind, dtype_default
 from statediff.trace.schema import IDENTITY_KEYS
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class NoiseModel:
             return None
         atol0, rtol0 = dtype_default(entry.dtype)
         return Tolerance(self.factor * env.max_abs + FLOOR_SCALE * atol0, FLOOR_SCALE * rtol0,
-                         f"noise x{self.factor:g}", noise_max_abs=env.max_abs)
+                         ToleranceKind.NOISE_ENVELOPE, f"noise x{self.factor:g}", noise_max_abs=env.max_abs)
 
     def describe(self) -> str:
         return (f"noise file {self.path} (allowed: {self.factor:g} x the calibrated max abs error "

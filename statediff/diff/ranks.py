@@ -67,6 +67,13 @@ class RankedResult:
         return 1 if 1 in codes else 2 if 2 in codes else 0
 
     @property
+    def verdict(self) -> str:
+        """"diverged" when any rank diverged, else "cannot-judge" when any rank cannot be judged, else
+        the root rank's ("same" or "near-tie")."""
+        verdicts = [r.verdict for r in self.results]
+        return next((v for v in ("diverged", "cannot-judge") if v in verdicts), self.root.verdict)
+
+    @property
     def root(self) -> Any:
         """The root rank's ``CompareResult`` (rank 0's when none diverged)."""
         return self.results[self.root_rank or 0]
@@ -96,7 +103,7 @@ class RankedResult:
     def to_json(self) -> dict:
         root = self.root.to_json()
         return jsonable(root | {
-            "headline": self.headline(), "exit_code": self.exit_code,
+            "headline": self.headline(), "exit_code": self.exit_code, "verdict": self.verdict,
             "tensor_parallel": {"world_size": self.world_size, "root_rank": self.root_rank},
             "first": None if root.get("first") is None else root["first"] | {"rank": self.root_rank},
             "ranks": [{"rank": r, "hit": str(h), "cold": str(c), "verdict": res.verdict, "exit_code": res.exit_code,

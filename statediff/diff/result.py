@@ -11,7 +11,8 @@ differs from the scheduler's allocation ("block_table"); a sampled output
 or its log-probabilities differ while no captured tensor does ("outputs":
 the cause lies outside the captured state); in exact replay, the drafts of a
 verification step (ids or acceptance) differ while the sampled tokens agree
-("drafts", ``drafts.DraftDiff``); else SAME. Never SAME while outputs or,
+("drafts", ``drafts.DraftDiff``); a hit request's drafter acceptance falls
+against its cold twin ("acceptance", ``acceptance.AcceptanceFinding``); else SAME. Never SAME while outputs or,
 in exact replay, drafts differ.
 
 Text layout: the diagnosis line first (when there is one), the verdict,
@@ -39,7 +40,7 @@ from .diagnose import Diagnosis
 from .metrics import PairMetrics
 from .drafts import DraftDiff
 from .outputs import OutputDiff
-from .tolerance import Tolerance
+from .tolerance import Tolerance, ToleranceUse
 
 MAX_UNPAIRED_LISTED = 5
 
@@ -483,6 +484,10 @@ class CompareResult:
     near_ties: tuple[OutputDiff, ...] = ()
     # default replay: what the noise model (band.py) cleared or could not judge
     band: BandSummary = BandSummary()
+    # which policy rule judged how many pairs; the default that judged pairs no rule matched
+    tolerances: ToleranceUse = ToleranceUse()
+    # hit requests whose drafter acceptance falls against their cold twin (statediff.trace.acceptance)
+    acceptance: tuple = ()
 
     @property
     def stopped_early(self) -> bool:
@@ -491,7 +496,7 @@ class CompareResult:
 
     @property
     def cause(self) -> str | None:
-        """"tensor", "block_table", "outputs", "drafts" (first that applies), or None (SAME)."""
+        """"tensor", "block_table", "outputs", "drafts", "acceptance" (first that applies), or None (SAME)."""
         if self.divergences:
             return "tensor"
         if self.block_tables:
@@ -500,6 +505,8 @@ class CompareResult:
             return "outputs"
         if self.draft_diff is not None:
             return "drafts"
+        if self.acceptance:
+            return "acceptance"
         return None
 
     @property
@@ -544,6 +551,9 @@ class CompareResult:
         if cause == "drafts":
             return (f"DIVERGED: drafts differ at {self.draft_diff.text()}, while the sampled tokens agree "
                     "(exact replay: the drafter saw other inputs or state)")
+        if cause == "acceptance":
+            return (f"DIVERGED: the drafter's acceptance falls after a prefix-cache hit at "
+                    f"{self.acceptance[0].text()}, while no captured tensor and no output differs")
         if self.cannot_judge:
             n = len(self.band.unsure)
             return (f"CANNOT JUDGE: {n} pair{'' if n == 1 else 's'} differ{'s' if n == 1 else ''} by more than rounding noise of differently "
@@ -635,11 +645,13 @@ class CompareResult:
         if self.outside_text():
             out.append(self.outside_text())
         out += [f"hit:  {self.hit.to_text()}", f"cold: {self.cold.to_text()}",
-                f"tolerance: {self.policy}", self.summary(), self.outputs_text()]
+                f"tolerance: {self.policy}", *filter(None, [self.tolerances.to_text()]), self.summary(),
+                self.outputs_text()]
         out += [t for t in (self.inputs_differ.to_text(), self.digests.to_text(), self.band.to_text()) if t]
         out += [f"block table: {b.text()} ({b.side} run)" for b in self.block_tables]
         out += [f"warning: {w}" for w in self.warnings]
         out += [f"hit finding: {f}" for f in self.hit_findings]
+        out += [f"acceptance: {a.text()}" for a in self.acceptance]
         if self.strict_hits and self.hit_findings:
             out.append(f"--strict-hits: {len(self.hit_findings)} hit finding(s), exit code 1")
         roots = self.roots
@@ -683,6 +695,7 @@ class CompareResult:
             "hit": self.hit.to_json(),
             "cold": self.cold.to_json(),
             "tolerance_policy": self.policy,
+            "tolerances": self.tolerances.to_json(),
             "outputs_policy": self.outputs_policy,
             "warnings": self.warnings,
             "pairs": self.pairs,
@@ -705,4 +718,5 @@ class CompareResult:
             "incomplete": list(self.incomplete),
             "hit_findings": list(self.hit_findings),
             "strict_hits": self.strict_hits,
+            "acceptance": [a.to_json() for a in self.acceptance],
         })

@@ -9,9 +9,19 @@ The policy picks, for each pair, the first that applies of:
 1. ``--tol`` rules, in the order given (first match wins);
 2. the noise file's envelope for the pair's (layer, kind) (see ``noise.py``);
 3. bit identity, when both traces were recorded with ``replay == "exact"``;
-4. the dtype default (``DEFAULTS``).
+4. the dtype default (``DEFAULTS``); in default replay without a noise file
+   (``Policy.band``) the dtype default *and* the default-replay noise model
+   (``band.py``), which decides a pair beyond the dtype default by its relative
+   L2 error.
 
-Every tensor ends in one of these, so nothing goes unjudged.
+Each returned ``Tolerance`` says which of these chose it in ``kind`` (a
+``ToleranceKind``); ``source`` is display text only, never decided on.
+
+A tensor no ``--tol`` rule (and no noise envelope) matches is judged by the
+policy's explicit default (3 or 4, ``Policy.default_kind``), not refused:
+without rules every pair is judged that way, and a rule set meant for some
+tensors should not make every other one an error. The report names that
+default and counts the pairs it judged (``CompareResult.tolerance_kinds``).
 
 A pair whose two sides have different logical dtypes (vLLM's bf16 SSM state
 against transformers' float32 one, or traces from CPUs that chose different
@@ -28,6 +38,7 @@ kind (``gdn.ssm_state``), the module name (``model.layers.3.*``) or
 from __future__ import annotations
 
 import dataclasses
+import enum
 import fnmatch
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,20 +63,53 @@ def dtype_default(dtype: str) -> tuple[float, float]:
     return DEFAULTS.get(dtype, (0.0, 0.0))
 
 
+class ToleranceKind(enum.Enum):
+    """Which rule of the policy chose a pair's tolerance (what ``compare`` decides on; its value is
+    the JSON name)."""
+
+    #: a ``--tol`` rule matched the pair
+    USER_RULE = "user_rule"
+    #: the noise file's envelope of the pair's (layer, kind)
+    NOISE_ENVELOPE = "noise_envelope"
+    #: bit identity: both traces replayed exactly (or a calibration, which measures every difference)
+    EXACT = "exact"
+    #: the dtype default alone (a noise file without an envelope for the pair, or two engine versions)
+    DTYPE_DEFAULT = "dtype_default"
+    #: default replay, no noise file: the dtype default, then ``band.py`` decides a pair beyond it
+    REPLAY_BAND = "replay_band"
+
+    def text(self) -> str:
+        """How a pair of this kind is judged, in words (the report's name for it)."""
+        return _KIND_TEXT[self]
+
+
+_KIND_TEXT = {
+    ToleranceKind.USER_RULE: "a --tol rule",
+    ToleranceKind.NOISE_ENVELOPE: "the noise file's envelope",
+    ToleranceKind.EXACT: "bit identity (exact replay)",
+    ToleranceKind.DTYPE_DEFAULT: "the dtype default",
+    ToleranceKind.REPLAY_BAND: "the dtype default, then the default-replay noise model (relative L2 error: "
+                               "<= 8u noise, > 16u divergence, between: cannot judge)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """The threshold one pair is judged by, and where it came from.
+    """The threshold one pair is judged by, and which rule chose it.
 
     Attributes:
         atol, rtol: absolute (in the tensor's units) and relative thresholds.
-        source: human-readable origin, e.g. "dtype default bfloat16",
-            "--tol attn.*", "exact: bit identity", "noise envelope x4".
+        kind: the policy rule that chose it; ``compare`` decides on this (``REPLAY_BAND``:
+            a pair beyond ``atol``/``rtol`` goes to the default-replay noise model).
+        source: human-readable origin for the report, e.g. "dtype default bfloat16",
+            "--tol attn.*", "exact replay", "noise x4" (display only).
         noise_max_abs: the calibrated benign max abs error of this
             (layer, kind), when a noise envelope applied (else None).
     """
 
     atol: float
     rtol: float
+    kind: ToleranceKind
     source: str
     noise_max_abs: float | None = None
 
@@ -80,7 +124,7 @@ class Tolerance:
         return f"atol {self.atol:.3g} rtol {self.rtol:.3g} ({self.source})"
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"exact": self.exact}
+        return dataclasses.asdict(self) | {"kind": self.kind.value, "exact": self.exact}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,42 +180,63 @@ class Policy:
         rules: ``--tol`` rules, first match wins.
         exact: both traces replayed exactly: expect bit identity.
         noise: calibrated noise envelopes, or None.
+        band: the default-replay noise model judges what the dtype default would call a
+            divergence (``REPLAY_BAND``): default replay, no noise file, one engine version
+            (the model was measured on one). Ignored with ``exact`` or ``noise``.
     """
 
     rules: tuple[Rule, ...] = ()
     exact: bool = False
     noise: "Envelopes | None" = None
+    band: bool = False
+
+    @property
+    def default_kind(self) -> ToleranceKind:
+        """What judges a pair no ``--tol`` rule and no noise envelope matches (same dtypes)."""
+        if self.exact:
+            return ToleranceKind.EXACT
+        return ToleranceKind.REPLAY_BAND if self.band and self.noise is None else ToleranceKind.DTYPE_DEFAULT
+
+    def _rule(self, entry: "TensorEntry") -> Tolerance | None:
+        for rule in self.rules:
+            if rule.matches(entry):
+                return Tolerance(rule.atol, rule.rtol, ToleranceKind.USER_RULE, f"--tol {rule.pattern}")
+        return None
+
+    def _dtype_default(self, dtype: str, source: str) -> Tolerance:
+        kind = ToleranceKind.REPLAY_BAND if self.default_kind is ToleranceKind.REPLAY_BAND else \
+            ToleranceKind.DTYPE_DEFAULT
+        return Tolerance(*dtype_default(dtype), kind, source)
 
     def for_entry(self, entry: "TensorEntry") -> Tolerance:
         """Tolerance for the pair whose cold side is ``entry``."""
-        for rule in self.rules:
-            if rule.matches(entry):
-                return Tolerance(rule.atol, rule.rtol, f"--tol {rule.pattern}")
+        tol = self._rule(entry)
+        if tol is not None:
+            return tol
         if self.noise is not None:
             tol = self.noise.tolerance_for(entry)
             if tol is not None:
                 return tol
         if self.exact:
-            return Tolerance(0.0, 0.0, "exact replay")
-        atol, rtol = dtype_default(entry.dtype)
-        return Tolerance(atol, rtol, f"dtype default {entry.dtype}")
+            return Tolerance(0.0, 0.0, ToleranceKind.EXACT, "exact replay")
+        return self._dtype_default(entry.dtype, f"dtype default {entry.dtype}")
 
     def for_pair(self, hit: "TensorEntry", cold: "TensorEntry") -> Tolerance:
         """Tolerance for an aligned pair: ``for_entry(cold)``, unless the dtypes differ.
 
         With different logical dtypes: the first matching ``--tol`` rule, else
         the dtype default of the less precise dtype (the larger atol), never
-        bit identity nor a noise envelope (calibrated on one dtype).
+        bit identity nor a noise envelope (calibrated on one dtype); in default
+        replay without a noise file the noise model judges beyond it (``REPLAY_BAND``).
         """
         if hit.dtype == cold.dtype:
             return self.for_entry(cold)
-        for rule in self.rules:
-            if rule.matches(cold):
-                return Tolerance(rule.atol, rule.rtol, f"--tol {rule.pattern}")
+        tol = self._rule(cold)
+        if tol is not None:
+            return tol
         narrow = max((hit.dtype, cold.dtype), key=lambda d: dtype_default(d))
-        atol, rtol = dtype_default(narrow)
-        return Tolerance(atol, rtol, f"dtype default {narrow}: hit {hit.dtype} vs cold {cold.dtype}, "
-                                     "each decoded with its own dtype")
+        return self._dtype_default(narrow, f"dtype default {narrow}: hit {hit.dtype} vs cold {cold.dtype}, "
+                                           "each decoded with its own dtype")
 
     def describe(self) -> str:
         """One line naming the policy, as the report states it."""
@@ -188,3 +253,43 @@ class Policy:
         if self.rules:
             base += "; --tol rules first: " + ", ".join(str(r) for r in self.rules)
         return base
+
+
+#: The kinds a pair gets when no ``--tol`` rule and no noise envelope matched it: the policy's default.
+DEFAULT_KINDS = (ToleranceKind.EXACT, ToleranceKind.DTYPE_DEFAULT, ToleranceKind.REPLAY_BAND)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToleranceUse:
+    """Which rule of the policy judged how many pairs of one comparison (what the report names).
+
+    Attributes:
+        kinds: judged pairs per ``ToleranceKind`` value (JSON names), kinds that judged none left out.
+        default: what judges a pair no rule and no envelope matches (``Policy.default_kind``).
+        rules: how many ``--tol`` rules were given.
+        noise: a noise file gave envelopes.
+    """
+
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    default: ToleranceKind = ToleranceKind.DTYPE_DEFAULT
+    rules: int = 0
+    noise: bool = False
+
+    @property
+    def by_default(self) -> int:
+        """Judged pairs no ``--tol`` rule and no noise envelope matched."""
+        return sum(self.kinds.get(k.value, 0) for k in DEFAULT_KINDS)
+
+    def to_text(self) -> str:
+        """One line when ``--tol`` rules were given and some judged pair matched none of them: how
+        many, and by what they were judged instead; '' otherwise (the policy line names the default)."""
+        if not self.rules or not self.by_default:
+            return ""
+        total = sum(self.kinds.values())
+        how = ", ".join(f"{self.kinds[k.value]} by {k.text()}" for k in DEFAULT_KINDS if self.kinds.get(k.value))
+        rest = " and no noise envelope" if self.noise else ""
+        return f"tolerance default: {self.by_default} of {total} judged pairs matched no --tol rule{rest}: {how}"
+
+    def to_json(self) -> dict:
+        return {"kinds": dict(self.kinds), "default": self.default.value, "default_text": self.default.text(),
+                "by_default": self.by_default}

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from statediff.diff.pair import CompareOptions
 from statediff.diff.result import CompareResult, Divergence, no_data_text
 from statediff.errors import StatediffError
 from statediff.jsonutil import jsonable
@@ -33,7 +34,6 @@ from statediff.trace.schema import DigestEntry, TensorEntry
 from statediff.trace.writer import TraceWriter
 
 from .record import build_report
-from .reproduce import CompareOptions
 from .select import Entry, Kept, Selection, select
 from .unpack import (FORMAT, MEMBERS, VERSION, Bundle, looks_like_bundle, open_bundle, rank_member, rename,
                      sha256_file)

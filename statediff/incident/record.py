@@ -16,13 +16,14 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from statediff.diff.pair import CompareOptions
 from statediff.diff.result import CompareResult, no_data_text
 from statediff.jsonutil import jsonable
 from statediff.trace.patches import describe_patches
 
 from statediff.replay.command import speculative
 
-from .reproduce import CompareOptions, reproduce_lines
+from .reproduce import reproduce_lines
 
 UNKNOWN = "unknown"
 ENGINES_RECORDING_CONFIG = ("vllm",)
@@ -60,7 +61,11 @@ class IncidentReport:
         bundle: Markdown lines describing a bundle's contents (``extract``), or empty.
         audit: Markdown lines of the hit run's one-run audit (``statediff check``: shown right
             after the fields, before the turns), or empty.
-        exit_code: that of the comparison: 0 no divergence, 1 divergence.
+        exit_code: the verdict's: 0 no divergence, 1 divergence (compare's, or the audit's
+            restore violation), 2 cannot judge (or, with an audit, not checked).
+        verdict: the verdict in one word, as ``compare --json`` says it ("same", "near-tie",
+            "diverged", "cannot-judge"; with an audit also "restore-violation", "not-checked"):
+            what tells a verdict with exit code 2 from an error (which writes no record).
     """
 
     title: str
@@ -71,6 +76,7 @@ class IncidentReport:
     bundle: list[str] = dataclasses.field(default_factory=list)
     audit: list[str] = dataclasses.field(default_factory=list)
     exit_code: int = 0
+    verdict: str = "same"
 
     def field(self, label: str) -> str:
         """The value of one field (KeyError for a label not in ``FIELD_LABELS``)."""
@@ -111,6 +117,7 @@ class IncidentReport:
 
     def to_json(self) -> dict:
         return jsonable({"statediff": "report", "title": self.title, "exit_code": self.exit_code,
+                         "verdict": self.verdict,
                          "fields": dict(self.fields), "turns": [t.to_json() for t in self.turns],
                          "reproduce": self.reproduce, "bundle": self.bundle,
                          **({"audit": self.audit} if self.audit else {})})
@@ -411,18 +418,61 @@ def _turns(c: _Sides) -> list[TurnRow]:
     return turns
 
 
-def _title(result: CompareResult) -> str:
-    first = result.first
-    title = ("statediff: state diverges after a prefix-cache hit at " + first.where() if first
-             else "statediff: no state divergence between the cache-hit and cold runs")
-    if result.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
-        title += " (INCOMPLETE trace: " + "; ".join(result.incomplete) + ")"
-    return title
+def _title(result: Any, audit: Any = None) -> str:
+    """The report's one line: the verdict and its root (a tensor-parallel set: the root's rank).
+
+    With the hit run's ``audit`` (``statediff check``): a restore violation the audit found leads
+    the title when compare names no divergent state, which a clean title would hide."""
+    root, where = _root_rank(result)
+    first = root.first
+    if first is not None:
+        title = "statediff: state diverges after a prefix-cache hit at " + first.where()
+    elif audit is not None and audit.exit_code == 1:
+        title = (f"statediff: the one-run audit of the cache-hit run found a restore violation ({audit.headline()}); "
+                 + ("compare finds no divergence from the cold run" if root.cause is None else
+                    "compare finds no state divergence from the cold run"))
+    elif result.verdict == "cannot-judge":
+        n = sum(len(r.band.unsure) for r in getattr(result, "results", [result]))
+        title = (f"statediff: cannot judge the cache-hit run against the cold run: {n} pair{'' if n == 1 else 's'} "
+                 "between rounding noise and a fault (default replay)")
+    else:
+        title = "statediff: no state divergence between the cache-hit and cold runs"
+    if audit is not None and audit.exit_code == 2:  # NOT CHECKED: the exit code is 2, the title says why
+        title += "; the one-run audit of the cache-hit run could check no restore (NOT CHECKED)"
+    if root.incomplete:  # compared with --allow-incomplete: say so where a reader looks first
+        title += " (INCOMPLETE trace: " + "; ".join(root.incomplete) + ")"
+    return title if where is None else f"{title} (tensor parallel: {where})"
+
+
+def _root_rank(result: Any) -> tuple[CompareResult, str | None]:
+    """The ``CompareResult`` a record describes and, for a ``statediff.diff.ranks.RankedResult`` (two
+    tensor-parallel sets), which rank that is (None: one pair)."""
+    from statediff.diff.ranks import RankedResult
+
+    if not isinstance(result, RankedResult):
+        return result, None
+    return result.root, (f"rank {result.root_rank} of {result.world_size}" if result.root_rank is not None
+                         else f"every rank of {result.world_size}")
+
+
+def exit_code(result: Any, audit: Any = None) -> int:
+    """The verdict's exit code: 1 when compare or the hit run's ``audit`` finds a divergence (a
+    restore violation), else 2 when either cannot vouch for the pair (compare: CANNOT JUDGE; the
+    audit: NOT CHECKED), else 0. ``result`` None: the audit's alone (no cold run)."""
+    codes = [c.exit_code for c in (result, audit) if c is not None]
+    return 1 if 1 in codes else 2 if 2 in codes else 0
+
+
+def audit_section(audit: Any) -> list[str]:
+    """The report's "Audit of the hit run" section (Markdown lines): the verdict, then the audit's own
+    text (``AuditResult.to_text``; ``audit.json`` lists every finding)."""
+    return [f"`statediff audit hit.h5`: **{audit.headline()}**", "", "```text",
+            audit.to_text(more="audit.json lists them all"), "```"]
 
 
 def build_report(result: Any, options: CompareOptions = CompareOptions(), *,
                  bundle: str | None = None, bundle_lines: Sequence[str] = (),
-                 replay_file: str | None = None) -> IncidentReport:
+                 replay_file: str | None = None, audit: Any = None) -> IncidentReport:
     """The incident record of ``result`` (no I/O: every value comes from the result's trace sides).
 
     Args:
@@ -432,28 +482,33 @@ def build_report(result: Any, options: CompareOptions = CompareOptions(), *,
         bundle: the bundle's file name, when the record goes into one (``extract``).
         bundle_lines: Markdown lines describing what the bundle keeps.
         replay_file: the bundle's replay file (adds reproduce lines that use it).
+        audit: the hit run's ``statediff.audit.AuditResult`` (``statediff.verdict.check_pair``): its
+            section after the fields; a violation makes the title and exit code (``exit_code``).
 
     A ``statediff.diff.ranks.RankedResult`` (two tensor-parallel sets) gives the record of its root
     rank's comparison, the title naming that rank and the compare section every rank's.
 
     Returns:
-        the record; ``exit_code`` is the comparison's.
+        the record; its title and ``exit_code`` are the verdict's (the comparison's, and the audit's).
     """
-    from statediff.diff.ranks import RankedResult
-
-    if isinstance(result, RankedResult):
-        rep = build_report(result.root, options, bundle=bundle, bundle_lines=bundle_lines, replay_file=replay_file)
-        where = (f"rank {result.root_rank} of {result.world_size}" if result.root_rank is not None
-                 else f"every rank of {result.world_size}")
-        return dataclasses.replace(rep, title=f"{rep.title} (tensor parallel: {where})",
-                                   compare_text=result.to_text(), exit_code=result.exit_code)
-    sides = _Sides.of(result)
-    first = result.first
+    root, _ = _root_rank(result)
+    sides = _Sides.of(root)
+    first = root.first
     no_data = first is not None and not all(first.data)
     return IncidentReport(
-        title=_title(result), fields=[(label, value(sides)) for label, value in FIELDS], turns=_turns(sides),
+        title=_title(result, audit), fields=[(label, value(sides)) for label, value in FIELDS], turns=_turns(sides),
         compare_text=result.to_text(),
         reproduce=reproduce_lines(sides.run, sides.cold_run, options, bundle=bundle, replay_file=replay_file,
-                                  focus=result.focus if no_data else None,
+                                  focus=root.focus if no_data else None,
                                   focus_why=no_data_text(first.data) if no_data else ""),
-        bundle=list(bundle_lines), exit_code=result.exit_code)
+        bundle=list(bundle_lines), audit=audit_section(audit) if audit is not None else [],
+        exit_code=exit_code(result, audit), verdict=result.verdict if audit is None else _verdict(result, audit))
+
+
+def _verdict(result: Any, audit: Any) -> str:
+    """compare's verdict word, or "restore-violation" when only the audit found one."""
+    if audit.exit_code == 1 and result.exit_code != 1:
+        return "restore-violation"
+    if audit.exit_code == 2 and result.exit_code == 0:
+        return "not-checked"
+    return result.verdict

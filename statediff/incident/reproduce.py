@@ -1,64 +1,16 @@
 """The commands that reproduce an incident: ``statediff record`` for each trace, then compare.
 
 ``reproduce_lines`` puts them in order; each record line comes from
-``statediff.replay.command.record_line``. Also ``CompareOptions``: the
-options that judged a pair, handed from the CLI to the incident functions,
-to ``compare`` again (bundle check) and into the reproduce lines.
+``statediff.replay.command.record_line``; the options that judged the pair
+(``statediff.diff.pair.CompareOptions``) are repeated in them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
-from typing import Any
 
-from statediff.diff.defaults import DEFAULT_FACTOR
+from statediff.diff.pair import CompareOptions
 from statediff.replay.command import focus_lines, record_line
-
-
-@dataclasses.dataclass(frozen=True)
-class CompareOptions:
-    """The ``compare`` options that judge a pair (the seven shared by compare, extract and report).
-
-    Attributes:
-        tol: ``--tol`` rules as given (``PATTERN=ATOL,RTOL``), first match wins.
-        noise: path of a noise file from ``calibrate``, or None.
-        noise_factor: allowed multiple of the noise envelope; None: the
-            default (``DEFAULT_FACTOR``, or a bundle's own factor).
-        allow_engine_mismatch, allow_noise_in_exact, allow_incomplete,
-        strict_hits: as for ``compare``.
-    """
-
-    tol: tuple[str, ...] = ()
-    noise: str | None = None
-    noise_factor: float | None = None
-    allow_engine_mismatch: bool = False
-    allow_noise_in_exact: bool = False
-    allow_incomplete: bool = False
-    strict_hits: bool = False
-
-    FLAGS = ("allow_engine_mismatch", "allow_noise_in_exact", "allow_incomplete", "strict_hits")
-
-    @property
-    def factor(self) -> float:
-        """The noise factor in effect."""
-        return DEFAULT_FACTOR if self.noise_factor is None else self.noise_factor
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``statediff.diff.compare.compare``."""
-        return dict(tol=list(self.tol), noise=self.noise, noise_factor=self.factor,
-                    **{flag: getattr(self, flag) for flag in self.FLAGS})
-
-    def argv(self, noise_name: str | None = None) -> list[str]:
-        """The options that change the verdict, as command-line words (``noise_name`` replaces the path)."""
-        words: list[str] = []
-        for rule in self.tol:
-            words += ["--tol", str(rule)]
-        if self.noise:
-            words += ["--noise", noise_name or str(self.noise), "--noise-factor", f"{self.factor:g}"]
-        words += [f"--{flag.replace('_', '-')}" for flag in ("strict_hits", "allow_incomplete")
-                  if getattr(self, flag)]
-        return words
 
 
 def reproduce_lines(hit_run: dict, cold_run: dict, options: CompareOptions = CompareOptions(), *,

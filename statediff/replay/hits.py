@@ -32,6 +32,7 @@ reason. Pure Python: no engine, no trace I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,15 @@ def drops_last_block(run: Mapping[str, Any]) -> bool:
     if isinstance(said, bool):
         return said
     return run.get("speculative_method") in HIDDEN_STATE_DRAFTERS
+
+
+def hash_lookahead(run: Mapping[str, Any]) -> int:
+    """Tokens after each block that the engine's prefix-cache hash also covers (``version_facts
+    .hash_lookahead_tokens``, vLLM 0.33+ with an EAGLE-style drafter; 0 when not recorded): a
+    block is then a hit only when those tokens match too (``HitLedger``)."""
+    facts = run.get("version_facts")
+    n = facts.get("hash_lookahead_tokens") if isinstance(facts, Mapping) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def replay_boundary(length: int, block_size: int) -> int:
@@ -87,15 +97,21 @@ class HitLedger:
 
     Args:
         block_size: ``B``, tokens per block the prefix cache hashes by (> 0).
+        lookahead: ``L``, tokens after each block its hash also covers (``hash_lookahead``; vLLM
+            0.33 ``kv_cache_utils.get_request_block_hasher``): block ``k`` of a prompt is a hit only
+            when the ``L`` tokens after it are in the prompt and equal those an earlier stream had
+            there.
 
     Raises:
         ValueError: ``block_size`` < 1.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lookahead: int = 0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block size must be a positive integer, not {block_size!r}")
         self.block_size = block_size
+        self.lookahead = lookahead
+        self._ahead: dict[int, set[tuple[int, ...]]] = {}  # node -> the L tokens streams had after it
         # trie of whole blocks: (parent node, block tokens) -> node; node 0 is the empty prefix
         self._child: dict[tuple[int, tuple[int, ...]], int] = {}
         self._first: list[int] = [-1]  # node -> earliest request whose stream holds it
@@ -112,6 +128,9 @@ class HitLedger:
             if child is None:
                 break
             upper = k + 1
+            if self.lookahead and tuple(prompt[(k + 1) * b:(k + 1) * b + self.lookahead]) not in \
+                    self._ahead.get(child, ()):
+                break  # the block's hash covers the tokens after it: they differ, or the prompt ends first
             if self._computed[child]:  # ancestors of a computed block are computed (same stream)
                 node, depth = child, k + 1
             if child in self._kept:
@@ -140,6 +159,9 @@ class HitLedger:
             if (k + 1) * b <= computed and not self._computed[child]:
                 self._computed[child], self._first[child] = True, request
             node = child
+            ahead = stream[(k + 1) * b:(k + 1) * b + self.lookahead]
+            if self.lookahead and len(ahead) == self.lookahead:
+                self._ahead.setdefault(node, set()).add(tuple(ahead))
             if k + 1 == keep:
                 self._kept.setdefault(node, request)
 
@@ -162,7 +184,8 @@ class HitAccount:
             a cold run), else None.
         kind: "shortfall", "beyond", "no-drop" (a hit that kept the block vLLM drops for a drafter
             fed hidden states) or "cold-hit" (None without a finding).
-        reason: the likely reason of a shortfall ("" when the trace cannot tell).
+        reason: the likely reason of a shortfall ("" when the trace cannot tell); without a finding, a
+            note on a hit vLLM cut by a known bug (``drop_note``), else None.
     """
 
     request: int
@@ -211,13 +234,55 @@ def _capacity_tokens(run: Mapping[str, Any]) -> int | None:
     return blocks // max(len(groups), 1) * b
 
 
+def hit_alignment(run: Mapping[str, Any]) -> int | None:
+    """Tokens every prefix-cache hit of the run's engine is a multiple of: the least common multiple of
+    its KV-cache groups' block sizes (vLLM 0.32 ``v1/core/kv_cache_utils.py``: ``scheduler_block_size =
+    lcm(group block sizes)``; ``kv_cache_coordinator``: hits land on scheduler-block boundaries and the
+    EAGLE last-block drop is one scheduler block). The groups come from the run's ``effective``
+    ``kv_cache_groups`` (else its ``layers``); without them, the run's ``block_size``.
+
+    A hybrid whose drafter has its own KV shape makes this differ from ``block_size``: page-size
+    unification doubled the target attention's block size to 192 with a 96-token ``block_size``, and
+    an accounting in 96-token blocks reported shortfalls it found no reason for.
+    """
+    b = _int(run.get("block_size"))
+    eff = run.get("effective") if isinstance(run.get("effective"), dict) else {}
+    sizes = [_int(g.get("block_size")) for g in eff.get("kv_cache_groups") or () if isinstance(g, dict)]
+    if not any(sizes):
+        layers = run.get("layers") if isinstance(run.get("layers"), list) else []
+        sizes = [_int(d.get("block_size")) for d in layers if isinstance(d, dict)]
+    sizes = [x for x in sizes if x and x > 0] + ([b] if b else [])
+    return math.lcm(*sizes) if sizes else None
+
+
+#: Methods whose drafter vLLM 0.32 marks no KV-cache group for (vLLM #57032) and that take the EAGLE
+#: last-block drop they should not (vLLM #54163 / #57110).
+_NO_DRAFT_GROUP = ("dflash", "dspark")
+
+
+def drop_note(run: Mapping[str, Any]) -> str | None:
+    """Why the run's hits are one scheduler block short, when the drafter is one vLLM drops the last
+    matched block for by mistake, or None. DFlash/DSpark recompute nothing from the dropped block
+    (their context is precomputed K/V, not a recurrent hidden state): #54163 / #57110 exempt them; and
+    with ``method=dflash`` no KV-cache group is identified as the drafter's, so vLLM 0.32's coordinator
+    falls back to treating every group, Mamba groups included, as a draft group (#57032; the engine
+    warns "no KV cache group could be identified as the draft model's")."""
+    method = run.get("speculative_method")
+    if method not in _NO_DRAFT_GROUP or not drafter_drop(run):
+        return None
+    return (f"every hit is one block ({drafter_drop(run)} tokens) short: vLLM drops the last matched block for "
+            f"the {method} drafter (the EAGLE last-block drop, which DFlash/DSpark should not take: vLLM "
+            f"#54163 / #57110), and with method={method} no KV-cache group is identified as the drafter's, so "
+            "every group, Mamba groups included, is treated as a draft group (vLLM #57032's fallback)")
+
+
 def drafter_drop(run: Mapping[str, Any]) -> int:
     """Tokens vLLM drops from every prefix-cache hit for the run's drafter: one block for drafters fed
     the target's hidden states (vLLM 0.32 ``SpeculativeConfig.use_eagle_block_drop``: methods eagle,
     eagle3, mtp, dflash, dspark; the coordinator cuts the last matched block so the drafter can recompute
     its hidden state; the trace's ``version_facts`` when it records whether this engine drops,
     ``drops_last_block``), else 0. Other engines (``engine`` not "vllm" or unknown) drop nothing."""
-    b = _int(run.get("block_size")) or 0
+    b = hit_alignment(run) or 0
     if run.get("engine") not in (None, "vllm") or not drops_last_block(run):
         return 0
     return b
@@ -239,6 +304,9 @@ def _shortfall_reason(i: int, a: Expected, measured: int, run: Mapping[str, Any]
                 if a.align else "no checkpoint lies on the shared prefix")
         return (f"mamba align mode keeps one recurrent-state checkpoint per prefill, at its last block "
                 f"boundary: request {src}'s prefill of {n} tokens kept position {kept}; {last}")
+    note = drop_note(run)
+    if note and measured == a.tokens - drafter_drop(run) and measured > 0:
+        return note
     cap = _capacity_tokens(run)
     since = sum(computed[src:i]) if src is not None else 0
     if cap is not None and since > cap:
@@ -267,7 +335,7 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         ``cache_salt``) accounts each salt's requests apart (the engine never
         shares blocks across salts).
     """
-    b = _int(run.get("block_size"))
+    b = hit_alignment(run)
     per_salt = (_int(run.get("concurrency")) or 1) > 1
     ledgers: dict[Any, HitLedger] = {}
     cold = run.get("mode") == "cold"
@@ -283,11 +351,11 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
         if not b or b < 1:
             out.append(HitAccount(i, plen, measured, None, None, b))
             continue
-        ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b))
+        ledger = ledgers.setdefault(rec.get("cache_salt") if per_salt else None, HitLedger(b, hash_lookahead(run)))
         a = ledger.expect(prompt)
         rec_tokens, rec_src = _int(rec.get("expected_hit_tokens")), _int(rec.get("expected_hit_source"))
-        if rec_tokens is not None:  # what the recorder saw as the request began
-            a = dataclasses.replace(a, tokens=rec_tokens, source=rec_src)
+        if rec_tokens is not None:  # what the recorder saw as the request began, in the engine's alignment
+            a = dataclasses.replace(a, tokens=rec_tokens // b * b, source=rec_src)
         if drop and not cold:  # the drafter's last-block drop is part of the expected hit
             a = dataclasses.replace(a, tokens=max(a.tokens - drop, 0), align=max(a.align - drop, 0))
         ledger.add(i, prompt, outputs)
@@ -318,6 +386,8 @@ def account_run(run: Mapping[str, Any], requests: Mapping[int, Mapping[str, Any]
             finding = (f"request {i} resumed from {measured} tokens but shares only {a.upper} tokens "
                        f"({a.upper // b} blocks) with the recorded token streams of earlier requests: "
                        "cached blocks were reused for tokens that differ")
+        if reason is None and drop and not cold and measured and measured == a.tokens and drop_note(run):
+            reason = drop_note(run)  # no finding: the drop is vLLM's rule, named where it is a known bug
         out.append(HitAccount(i, plen, measured, a.tokens, a.source, b, align, finding, kind, reason))
     return out
 
@@ -340,8 +410,10 @@ def summary_lines(accounts: Sequence[HitAccount], mode: str | None) -> list[str]
         src = "-" if cold or a.source is None else f"request {a.source}"
         lines.append(f"    {a.request:>7}  {_n(a.prompt_len):>6}  {_n(a.measured):>8}  {_n(want):>8}  {src}")
     found = findings(accounts)
+    notes = list(dict.fromkeys(a.reason for a in accounts if a.reason and not a.finding))
     lines += [f"  HIT FINDING: {f}" for f in found] or [
         "  no request hit the prefix cache, as expected" if cold else "  every request resumed from the hit expected"]
+    lines += [f"  note: {n}" for n in notes]
     return lines
 
 

@@ -29,17 +29,27 @@ def _ends(rec: dict) -> list[int]:
 
 
 def ancestor(requests: dict[int, dict], r: int, h: int) -> int:
-    """Earliest request before ``r`` that checkpointed position ``h`` with ``r``'s tokens.
+    """Earliest request before ``r`` that checkpointed position ``h`` with ``r``'s tokens; failing
+    that, the earliest that computed position ``h`` inside one of its chunks.
+
+    A hit on attention blocks alone (a dense target, or a hidden-state drafter's hit one block
+    short of the prompt's last full block: the EAGLE last-block drop) resumes at a block boundary
+    that need not be a chunk end: the K/V of ``[0, h)`` were computed inside a longer chunk. The
+    cold run then splits at ``h`` (the hit request computes from there) and at the ancestor's
+    chunk ends below ``h``. A GDN state cannot resume inside a chunk (its checkpoints are chunk ends
+    in vLLM's ``align`` mode), so a chunk end is preferred.
 
     Raises:
-        StatediffError: no recorded request computed that boundary (the hit came
+        StatediffError: no recorded request computed that position (the hit came
             from blocks cached before the recording started).
     """
     want = _tokens(requests[r])[:h]
-    for q in sorted(requests):
-        if q >= r:
-            break
-        if h in _ends(requests[q]) and _tokens(requests[q])[:h] == want:
+    earlier = [q for q in sorted(requests) if q < r and _tokens(requests[q])[:h] == want]
+    for q in earlier:
+        if h in _ends(requests[q]):
+            return q
+    for q in earlier:
+        if any(int(s) < h < int(e) for s, e in requests[q].get("chunks") or []):
             return q
     raise StatediffError(
         f"request {r} resumed at token {h}, but no earlier request in the hit trace computed "

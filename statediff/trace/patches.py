@@ -3,8 +3,10 @@
 A recording adapter that replaces engine code so the engine runs at all (vLLM
 on a CPU: ``statediff_hooks.vllm.cpu.mamba_align`` stands in for two Triton
 kernels) lists each patch as an object: ``name``, ``replaces`` (the engine's
-functions, fully qualified), ``written_for``, ``why`` and ``note`` (what the
-patched run cannot show). ``[]``: the engine ran unpatched; null: not recorded.
+functions, fully qualified; absent for a route that runs the engine's own code
+another way, such as Model Runner V2's Triton kernels in Triton's interpreter on a
+CPU: ``statediff_hooks.vllm.cpu.triton_interpreter``), ``written_for``, ``why`` and
+``note`` (what the patched run cannot show). ``[]``: the engine ran unpatched; null: not recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,6 @@ def describe_patches(value: Any) -> str:
     parts = []
     for p in value:
         replaced = ", ".join(str(r).rsplit(".", 1)[-1] for r in p.get("replaces") or [])
-        parts.append(p["name"] + (f" (replaces {replaced}" if replaced else " (")
-                     + (f"; {p['note']})" if p.get("note") else ")"))
+        head = f"replaces {replaced}" if replaced else str(p.get("why") or "")  # a route replaces nothing: why
+        parts.append(p["name"] + f" ({head}" + (f"; {p['note']})" if p.get("note") else ")"))
     return "; ".join(parts)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TraceError
+from ..textsafe import one_line
 from .dtypes import STORAGE
 from .schema import (
     DIGEST_DTYPE,
@@ -50,10 +51,14 @@ def digest_layout(path: Path | str, version: int) -> np.dtype:
 
 
 def _decode(raw: bytes, field: str, where: str, encoding: str = "ascii") -> str:
+    """An index field as text; free text (``module``, UTF-8) passes through ``one_line``, as every
+    string read from a trace does: a module name cannot carry a line break or escape sequence to
+    the terminal. The ASCII fields are checked against their vocabularies by the callers."""
     try:
-        return raw.decode(encoding)
+        text = raw.decode(encoding)
     except UnicodeDecodeError:
         raise TraceError(f"{where}: index field '{field}' is not {encoding} text") from None
+    return one_line(text) if encoding != "ascii" else text
 
 
 def entry(row: np.void, where: str) -> TensorEntry:

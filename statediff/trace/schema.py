@@ -343,7 +343,7 @@ RUN_KEYS = (
     "keep",  # null, or {"policy", "budget_bytes", "focus", "kept_bytes", "kept_tensors", "digest_only_tensors"}
     "adapter",  # "verified", or "unverified": recorded with the nearest verified version's adapter
     "adapter_version",  # the engine version whose adapter recorded it
-    "version_facts",  # null, or {"one_token_first_chunk", "eagle_drop_switch", "eagle_block_drop"}
+    "version_facts",  # null, or {"one_token_first_chunk", "eagle_drop_switch", "eagle_block_drop", "hash_lookahead_tokens"}
     "engine_patches",  # null, or [{"name", "replaces", ...}]: engine code statediff stood in for (trace/patches.py)
 )
 
@@ -365,7 +365,7 @@ RUN_INT_KEYS = ("block_size", "mamba_block_size", "max_num_batched_tokens",
 RUN_STR_KEYS = ("engine", "engine_version", "engine_commit", "runner", "model", "architecture",
                 "config_digest", "dtype", "quantization", "mamba_cache_mode", "cold_policy",
                 "speculative_method", "statediff_version", "adapter_version")
-RUN_ENUMS = {"mode": ("hit", "cold"), "replay": ("default", "exact"), "adapter": ("verified", "unverified")}
+RUN_ENUMS = {"mode": ("hit", "cold"), "replay": ("default", "exact"), "adapter": ("verified", "reviewed", "unverified")}
 
 
 def run_problem(run: dict) -> str | None:

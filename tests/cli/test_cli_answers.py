@@ -78,6 +78,7 @@ def test_every_command_says_what_it_does():
         "  ablate            Run setups as hit/cold pairs; print a PASS/FAIL table.",
         "  build-tiny-model  Write a built-in tiny model (random weights).",
         "  check             Record a hit run, audit it, record a cold run, compare them.",
+        "  engine-surface    Compare vLLM's patch points with the verified versions'.",
         "  record            Replay a conversation on vLLM and record a trace."]
     assert not any(line.endswith("...") for line in lines[1:])  # no description cut short
 

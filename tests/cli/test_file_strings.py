@@ -3,6 +3,8 @@ line breaks, carriage returns, terminal escapes and bidi controls are shown esca
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -88,3 +90,68 @@ def test_an_escape_sequence_in_a_file_name_is_shown_escaped_in_the_error_line(tm
     r = CliRunner().invoke(cli, ["inspect", str(name)])
     assert (r.exit_code, r.stderr.splitlines()) == (2, [
         f"statediff: error: {tmp_path}/x\\x1b]0;pwned\\x07.h5 does not exist"])
+
+
+# -- a hostile pair: every string a command prints from it is escaped, and no output holds a byte a
+# terminal would act on (tests/hostile/terminal.py: run as a process writes, surrogateescape and all)
+
+RAW = b"\x8a\xff\xc3("  # not UTF-8: h5py hands these bytes over as lone surrogates
+RAW_SHOWN = "\\x8a\\xff\\xc3("
+COMMIT = "\x1b]0;owned\x07\x1b[2J\nSAME: forged"
+COMMIT_SHOWN = "\\x1b]0;owned\\x07\\x1b[2J\\x0aSAME: forged"
+MODULE = "model.layers.1\n\x1b[2Jlinear_attn"  # an index row's module name (fixed-width bytes)
+MODULE_SHOWN = "model.layers.1\\x0a\\x1b[2Jlinear_attn"
+
+
+def _hostile_trace(path, mode: str):
+    """A synthetic trace whose run metadata holds an OSC and a CSI sequence, a line break and bytes
+    that are not UTF-8 (in a value and in a key), whose request 1 id holds a CSI sequence, and whose
+    layer 1 index rows name a module with a line break and an escape sequence."""
+    import h5py
+
+    from synth import Fault, write_trace
+
+    write_trace(path, mode, faults=[Fault("prev_block", 2, 1)] if mode == "hit" else [],
+                requests={1: {"request_id": "req-\x1b[2J1"}},
+                model="synthetic-QQQQ", engine_commit=COMMIT, **{"\x1b[31mkeyQQQQ": "v\x9b1m"})
+    data = path.read_bytes()
+    assert data.count(b"QQQQ") == 2  # the run record is one JSON attribute: patched in place, same length
+    path.write_bytes(data.replace(b"QQQQ", RAW))
+    with h5py.File(path, "r+") as f:
+        rows = f["index"][:]
+        rows["module"][rows["layer"] == 1] = MODULE.encode()
+        f["index"][...] = rows
+    return path
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    return _hostile_trace(d / "hit.h5", "hit"), _hostile_trace(d / "cold.h5", "cold")
+
+
+@pytest.mark.parametrize("command, code, shown", [
+    ("inspect", 0, ["  model                  synthetic-" + RAW_SHOWN,
+                    "  engine_commit          " + COMMIT_SHOWN,
+                    "  \\x1b[31mkey" + RAW_SHOWN + " v\\x9b1m", "req-\\x1b[2J1"]),
+    ("compare", 1, [f"DIVERGED: first divergence at request 2, position 80, layer 1 ({MODULE_SHOWN}), gdn.ssm_state",
+                    "model=synthetic-" + RAW_SHOWN]),
+    ("report", 1, ["| engine commit | " + COMMIT_SHOWN + " |", "| target checkpoint | synthetic-" + RAW_SHOWN + " |"]),
+    ("verify", 0, []),
+    ("audit", 2, []),
+])
+def test_every_command_shows_a_hostile_trace_escaped(hostile, command, code, shown):
+    from hostile.terminal import checked
+
+    args = (command, *hostile) if command in ("compare", "report") else (command, hostile[0])
+    got, out, _ = checked(args, (code,))
+    lines = out.splitlines()
+    for line in shown:
+        assert any(line in x for x in lines), (line, out[:3000])
+    assert not any(x.startswith("SAME: forged") for x in lines)
+    got, out, _ = checked((*args, "--json"), (code,))
+    doc = json.loads(out)  # ASCII: json.dumps escapes what is left; nothing to escape is left, though
+    text = json.dumps(doc)
+    assert not any(0xD800 <= ord(c) <= 0xDFFF for c in json.dumps(doc, ensure_ascii=False))
+    if command in ("inspect", "compare", "report"):
+        assert json.dumps("synthetic-" + RAW_SHOWN) in text

@@ -3,6 +3,8 @@ an option calibrate does not have, warnings on stderr."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -75,9 +77,17 @@ def test_calibrate_refuses_byte_copies(traces, tmp_path):
 
 
 def test_calibrate_warns_on_stderr(traces, tmp_path):
-    r = run("calibrate", traces["cold"], traces["cold_b"], "-o", tmp_path / "n.json")
-    assert r.exit_code == 0
-    assert "warning" not in r.stdout
+    """Request 3 of the second cold run kept as digests only (no data): calibrate says so on stderr, one
+    line per warning, and leaves its report on stdout without them; --json puts them in the JSON."""
+    digests = write_trace(traces["dir"] / "cold-digests.h5", "cold", noise_seed=1,
+                          keep=lambda request, position, layer, kind, role: request != 3)
+    expected = ["40 tensors recorded as a digest only (no data) were not calibrated: record both cold runs with "
+                "--keep all to calibrate them", "40 tensors had no counterpart and were not calibrated"]
+    r = run("calibrate", traces["cold"], digests, "-o", tmp_path / "n.json")
+    assert (r.exit_code, r.stderr.splitlines()) == (0, [f"statediff: warning: {w}" for w in expected])
+    assert r.stdout.startswith("calibrated 8 (layer, kind) envelopes from 96 pairs") and "warning" not in r.stdout
+    r = run("calibrate", traces["cold"], digests, "-o", tmp_path / "j.json", "--json")
+    assert (r.exit_code, r.stderr, json.loads(r.stdout)["warnings"]) == (0, "", expected)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])

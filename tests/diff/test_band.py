@@ -5,6 +5,8 @@ reported, not a divergence. Synthetic traces (tests/synth.py) with an exactly pl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from statediff.diff.band import NOISE_MAX, ROOT_MIN, U, band
@@ -101,3 +103,34 @@ def test_a_near_tie_in_exact_replay_is_a_divergence(tmp_path):
                                           [[-1.0, -1.0001]] * n)})
     r = compare(h, c)
     assert (r.verdict, r.exit_code, r.near_ties) == ("diverged", 1, ())
+
+
+def test_pairs_no_tol_rule_matched_are_judged_by_the_named_default(tmp_path, cold):
+    """A --tol rule for some tensors: the rest are judged by the policy's default (here the dtype default with
+    the noise model), counted and named in the text and JSON; the band still judges them (12u: cannot judge)."""
+    hit = write_trace(tmp_path / "hit.h5", "hit", scale={KEY: 12 * U})
+    r = compare(hit, cold, tol=["attn.*=0,0"])
+    assert (r.verdict, r.exit_code, [u[:4] for u in r.band.unsure]) == ("cannot-judge", 2, [KEY])
+    assert ("tolerance default: 54 of 78 judged pairs matched no --tol rule: 54 by the dtype default, then the "
+            "default-replay noise model (relative L2 error: <= 8u noise, > 16u divergence, between: cannot judge)"
+            ) in r.to_text().splitlines()
+    assert r.to_json()["tolerances"] | {"default_text": ""} == {
+        "kinds": {"user_rule": 24, "replay_band": 54}, "default": "replay_band", "default_text": "", "by_default": 54}
+
+
+def test_cannot_judge_and_an_error_are_told_apart_in_json(tmp_path, cold):
+    """Both exit 2: a CANNOT JUDGE verdict prints its JSON object (verdict "cannot-judge"); an error prints no
+    JSON, one line on stderr."""
+    from click.testing import CliRunner
+
+    from statediff.cli import cli
+
+    hit = write_trace(tmp_path / "hit.h5", "hit", scale={KEY: 12 * U})
+    verdict = CliRunner().invoke(cli, ["compare", "--json", str(hit), str(cold)])
+    data = json.loads(verdict.stdout)
+    assert (verdict.exit_code, data["exit_code"], data["verdict"]) == (2, 2, "cannot-judge")
+    report = CliRunner().invoke(cli, ["report", "--json", str(hit), str(cold)])
+    assert (report.exit_code, json.loads(report.stdout)["verdict"]) == (2, "cannot-judge")
+    error = CliRunner().invoke(cli, ["compare", "--json", str(hit), str(tmp_path / "missing.h5")])
+    assert (error.exit_code, error.stdout) == (2, "")
+    assert error.stderr.startswith("statediff: error: ")

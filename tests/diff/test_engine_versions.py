@@ -67,3 +67,21 @@ def test_a_version_known_on_one_side_only_is_not_a_refusal(tmp_path, pair):
     unknown = write_trace(tmp_path / "cold.h5", "cold", replay="exact", engine_version=None)
     r = compare(pair["hit"], unknown)
     assert r.exit_code == 0 and r.policy.startswith("exact: bit identity")
+
+
+def test_two_model_runners_are_flagged_like_two_versions(tmp_path):
+    """vLLM's V1 and V2 model runners run different kernels: a pair recorded on both is not comparable
+    bit for bit; with the flag it is judged by tolerance and both runners are named."""
+    hit = write_trace(tmp_path / "hit.h5", "hit", replay="exact", engine_version="0.32.0", model_runner="v1")
+    cold = write_trace(tmp_path / "cold.h5", "cold", replay="exact", engine_version="0.32.0", model_runner="v2")
+    with pytest.raises(NotComparableError) as e:
+        compare(hit, cold)
+    assert str(e.value) == (
+        "runs not comparable: the hit trace was recorded on synthetic 0.32.0 (model runner v1), the cold trace "
+        "on synthetic 0.32.0 (model runner v2) (--allow-engine-mismatch compares them by tolerance)")
+    r = compare(hit, cold, allow_engine_mismatch=True)
+    assert not r.bit_identity and r.exit_code == 0
+    assert ("engine versions differ: the hit trace was recorded on synthetic 0.32.0 (model runner v1), the cold "
+            "trace on synthetic 0.32.0 (model runner v2); judged by tolerance, not bit identity") in r.warnings
+    same = write_trace(tmp_path / "cold2.h5", "cold", replay="exact", engine_version="0.32.0", model_runner="v1")
+    assert compare(hit, same).bit_identity

@@ -13,12 +13,12 @@ from synth import entry
 
 from statediff.errors import StatediffError, TraceError
 from statediff.diff.metrics import compare_arrays, compare_blocks, measure_pair, paired_blocks
-from statediff.diff.tolerance import Policy, Rule, Tolerance, dtype_default, parse_rule
+from statediff.diff.tolerance import Policy, Rule, Tolerance, ToleranceKind, dtype_default, parse_rule
 from statediff.trace.reader import open_trace
 from statediff.trace.writer import TraceWriter
 
-FP32 = Tolerance(1e-5, 1e-4, "test")
-EXACT = Tolerance(0.0, 0.0, "test")
+FP32 = Tolerance(1e-5, 1e-4, ToleranceKind.DTYPE_DEFAULT, "test")
+EXACT = Tolerance(0.0, 0.0, ToleranceKind.EXACT, "test")
 
 
 def bf16(values) -> np.ndarray:
@@ -52,7 +52,7 @@ def test_nan_on_one_side_is_always_a_divergence_with_its_first_index():
     hit = cold.copy()
     hit[1, 2] = np.nan
     hit[0, 1] = np.inf
-    m = compare_arrays(hit, cold, "float32", Tolerance(1e9, 1e9, "huge"))
+    m = compare_arrays(hit, cold, "float32", Tolerance(1e9, 1e9, ToleranceKind.USER_RULE, "huge"))
     assert m.n_nonfinite == 2 and m.n_beyond == 2
     assert m.first_nonfinite == (0, 1)
     assert (m.nonfinite_hit, m.nonfinite_cold) == (math.inf, 0.0)
@@ -89,7 +89,7 @@ def test_bf16_ulp_and_values_are_decoded():
 def test_integers_are_exact_and_large_values_keep_precision():
     cold = np.array([2 ** 40, 5], dtype=np.int64)
     hit = np.array([2 ** 40 + 1, 5], dtype=np.int64)
-    m = compare_arrays(hit, cold, "int64", Tolerance(*dtype_default("int64"), "d"))
+    m = compare_arrays(hit, cold, "int64", Tolerance(*dtype_default("int64"), ToleranceKind.DTYPE_DEFAULT, "d"))
     assert m.n_beyond == 1 and m.max_abs == 1.0 and m.max_ulp is None
 
 
@@ -181,14 +181,14 @@ def _entry(kind="gdn.ssm_state", module="model.layers.1.linear_attn", dtype="flo
 
 def test_policy_order_rules_then_exact_then_dtype():
     e = _entry()
-    assert Policy().for_entry(e) == Tolerance(1e-5, 1e-4, "dtype default float32")
+    assert Policy().for_entry(e) == Tolerance(1e-5, 1e-4, ToleranceKind.DTYPE_DEFAULT, "dtype default float32")
     assert Policy(exact=True).for_entry(e).exact
     rules = (parse_rule("attn.*=1,1"), parse_rule("model.layers.1.*:gdn.ssm_state=0.5,0"),
              parse_rule("gdn.*=2,2"))
-    assert Policy(rules, exact=True).for_entry(e) == Tolerance(0.5, 0.0, "--tol model.layers.1.*:gdn.ssm_state")
+    assert Policy(rules, exact=True).for_entry(e) == Tolerance(0.5, 0.0, ToleranceKind.USER_RULE, "--tol model.layers.1.*:gdn.ssm_state")
     assert Policy(rules).for_entry(_entry("attn.k")).atol == 1
     assert Policy(rules).for_entry(_entry(module="model.layers.2.linear_attn")).atol == 2
-    assert Policy().for_entry(_entry(dtype="bfloat16")) == Tolerance(1e-2, 2e-2, "dtype default bfloat16")
+    assert Policy().for_entry(_entry(dtype="bfloat16")) == Tolerance(1e-2, 2e-2, ToleranceKind.DTYPE_DEFAULT, "dtype default bfloat16")
     assert Policy().for_entry(_entry(dtype="int32")).exact
 
 
@@ -203,7 +203,7 @@ SPECIALS = st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf])
 
 @given(st.lists(st.one_of(st.floats(-1e3, 1e3, width=32), SPECIALS), min_size=0, max_size=48),
        st.data(), st.sampled_from(["float32", "bfloat16", "float16", "float64"]),
-       st.sampled_from([FP32, EXACT, Tolerance(0.0, 1e-3, "rtol only")]))
+       st.sampled_from([FP32, EXACT, Tolerance(0.0, 1e-3, ToleranceKind.USER_RULE, "rtol only")]))
 @settings(max_examples=200, deadline=None)
 def test_fast_path_gives_the_general_paths_metrics(values, data, dtype, tol):
     """Pieces with only finite values take Accumulator._update_finite: same metrics, field for field."""

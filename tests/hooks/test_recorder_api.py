@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OWNER = REPO / "hooks" / "recorder.py"
+OWNER = REPO / "hooks" / "recording" / "recorder.py"
 #: Attributes that reach the writer (``rec.writer``/``rec._writer``) or its private
 #: request and run records (``writer._requests``/``writer._run``).
 FORBIDDEN_ATTRIBUTES = frozenset({"writer", "_writer", "_requests", "_run"})

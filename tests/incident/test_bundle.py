@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from statediff.incident.bundle import compare_bundle, open_bundle, write_bundle
-from statediff.incident.reproduce import CompareOptions
+from statediff.diff.pair import CompareOptions
 from statediff.cli import cli
 from statediff.diff.compare import compare
 from statediff.errors import StatediffError

@@ -231,7 +231,7 @@ def test_damaged_data_under_equal_hashes_in_a_bundle_is_named_by_the_zip(good, t
 
 def test_a_bundle_with_a_noise_file_names_it_by_the_zip(tmp_path):
     from statediff.diff.calibrate import calibrate
-    from statediff.incident.reproduce import CompareOptions
+    from statediff.diff.pair import CompareOptions
 
     hit = write_trace(tmp_path / "hit.h5", "hit", faults=[Fault("prev_block", 2, 1)])
     cold = write_trace(tmp_path / "cold.h5", "cold")

@@ -11,7 +11,7 @@ import statediff
 from statediff.cli import cli
 from statediff.diff.compare import compare
 from statediff.incident.record import FIELD_LABELS, build_report
-from statediff.incident.reproduce import CompareOptions
+from statediff.diff.pair import CompareOptions
 from statediff.trace import open_trace
 from synth import Fault, write_trace
 

@@ -7,7 +7,7 @@ import pytest
 from statediff.diff.compare import compare
 from statediff.incident.bundle import compare_bundle, open_bundle, write_bundle
 from statediff.incident.record import build_report
-from statediff.incident.reproduce import CompareOptions
+from statediff.diff.pair import CompareOptions
 from statediff.trace import open_trace
 from synth import Fault, write_trace
 

@@ -183,3 +183,31 @@ def test_a_concurrent_replay_accounts_each_cache_salt_apart():
     assert findings(acc) == []
     # the same records without the run field: copy 1's first request "shares" copy 0's prompt
     assert account_run(run_meta(), recs)[1].kind == "shortfall"
+
+
+def _dflash_run(groups):
+    return {"block_size": 96, "mode": "hit", "speculative_method": "dflash", "mamba_cache_mode": "align",
+            "version_facts": {"eagle_block_drop": True},
+            "effective": {"kv_cache_groups": [{"group": g, "block_size": bs} for g, bs in enumerate(groups)]}}
+
+
+def test_hits_align_to_the_lcm_of_the_groups_block_sizes_and_the_dflash_drop_is_named():
+    """Issue 34: the hybrid with a drafter of its own KV shape: target attention 192 (page-size
+    unification), mamba and drafter groups 96. Hits land on multiples of 192 and the drop is 192."""
+    from statediff.replay.hits import drop_note, hit_alignment
+
+    run = _dflash_run([96, 192, 96])
+    assert hit_alignment(run) == 192 and hit_alignment({"block_size": 32}) == 32
+    base = list(range(500))
+    reqs = {0: {"prompt_token_ids": base[:400], "output_token_ids": [1, 2], "num_cached_tokens": 0},
+            1: {"prompt_token_ids": base[:480], "output_token_ids": [1], "num_cached_tokens": 192}}
+    acc = account_run(run, reqs)
+    assert (acc[1].expected, acc[1].finding) == (192, None)  # 384 shared, less one 192-token block
+    assert acc[1].reason == drop_note(run) and "vLLM #57032's fallback" in acc[1].reason
+    assert "#54163 / #57110" in acc[1].reason
+    assert summary_lines(acc, "hit")[-2:] == ["  every request resumed from the hit expected",
+                                              f"  note: {drop_note(run)}"]
+    assert drop_note(dict(run, speculative_method="mtp")) is None
+    # the recorder's expected hit (counted in its own 96-token blocks) is rounded to the alignment too
+    reqs[1]["expected_hit_tokens"], reqs[1]["expected_hit_source"] = 480 - 96, 0
+    assert account_run(run, reqs)[1].expected == 192

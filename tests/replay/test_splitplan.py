@@ -43,3 +43,13 @@ def test_decode_filled_boundaries_are_reported():
             1: req(list(range(48)) + [1, 2], [(48, 50)], hit=48)}
     assert decode_filled(reqs) == {1: [48]}
     assert cold_splits(reqs) == {0: [32], 1: [32, 40, 41, 48]}
+
+
+def test_an_attention_hit_inside_an_earlier_chunk_resumes_from_that_chunk():
+    """Issue 34: dense target + DFlash, default check: request 0's prompt ran in one chunk (0, 150];
+    request 1's hit at 96 (the last full block dropped) lies inside it: split at 96, not exit 2."""
+    base = list(range(200))
+    reqs = {0: req(base[:150], [(0, 150), (150, 151)]),
+            1: req(base[:180], [(96, 180)], hit=96)}
+    assert cold_splits(reqs) == {0: [], 1: [96]}
+    assert decode_filled(reqs) == {}

@@ -12,7 +12,10 @@ libhdf5 parses, with their checksums recomputed, for
 ``STATEDIFF_FUZZ_SECONDS`` (default 90 s) with a seed that changes between
 runs unless ``STATEDIFF_FUZZ_SEED`` is set; the seed is printed first, and
 every file that breaks a bound is saved to tests/hostile/found/. By hand:
-``.venv/bin/python tests/hostile/metafuzz.py --seconds 3600``.
+``.venv/bin/python tests/hostile/metafuzz.py --seconds 3600``. The terminal
+tier sets random bytes of ``traces/hit.h5`` and runs inspect, compare, report,
+verify and audit on it: their output must be printable UTF-8
+(``tests/hostile/terminal.py``; ``STATEDIFF_FUZZ_EXAMPLES // 15`` cases).
 """
 
 from __future__ import annotations
@@ -205,6 +208,65 @@ def test_fuzz_mutated_segment_is_read_or_refused(valid_parts: Path, mutations, s
         seg = parts / segment
         seg.write_bytes(_mutate(seg.read_bytes(), mutations))
         _open_and_read_everything(parts)
+
+
+# -- the terminal tier: what the commands print from a damaged reference trace ----------------------
+# The issue-32 recipe: 1-8 bytes of traces/hit.h5 set at random in its first 8 KiB (superblock, root
+# group, the global heap with the run and request records) or its last 64 KiB; every command that
+# prints from a trace runs on it in this process, its stdout and stderr written as a process writes
+# them (tests/hostile/terminal.py), and must end with exit 0, 1 or 2, no traceback, and nothing but
+# printable UTF-8 (newline and tab aside) on either stream: a byte of the file that is not UTF-8, or
+# an escape sequence, is shown escaped (statediff/textsafe.py), never passed on.
+
+REF_HIT, REF_COLD = REPO / "traces" / "hit.h5", REPO / "traces" / "cold.h5"
+TERMINAL_COMMANDS = (("inspect", "H"), ("inspect", "H", "--json"), ("compare", "H", "C"), ("report", "H", "C"),
+                     ("verify", "H"), ("audit", "H"))
+
+
+def _flipped(flips: list[tuple[int, int]]) -> Path:
+    """traces/hit.h5 with byte ``value`` at each ``(offset, value)``, in a temporary directory."""
+    b = bytearray(REF_HIT.read_bytes())
+    for at, value in flips:
+        b[at] = value
+    path = Path(tempfile.mkdtemp(prefix="statediff-flipped-")) / "hit.h5"
+    path.write_bytes(b)
+    return path
+
+
+def _print_all(hit: Path) -> dict[tuple, tuple[int, str, str]]:
+    """Every command of TERMINAL_COMMANDS on ``hit`` (and the reference cold trace), each checked
+    by ``hostile.terminal.checked``: {command: (exit code, stdout, stderr)}."""
+    from hostile.terminal import checked
+
+    try:
+        return {cmd: checked([{"H": hit, "C": REF_COLD}.get(a, a) for a in cmd]) for cmd in TERMINAL_COMMANDS}
+    finally:
+        shutil.rmtree(hit.parent)
+
+
+@_fuzz(max(10, FUZZ_EXAMPLES // 15))
+@given(st.integers(0, 2 ** 32 - 1))
+def test_fuzz_flipped_reference_trace_prints_only_printable_utf8(case: int) -> None:
+    """The issue's recipe, case ``case``: 1-8 bytes, each in the first 8 KiB or the last 64 KiB
+    (even odds), set to a random value."""
+    import random
+
+    rng, size = random.Random(case), REF_HIT.stat().st_size
+    flips = [(rng.randrange(8192) if rng.random() < 0.5 else rng.randrange(size - 65536, size), rng.randrange(256))
+             for _ in range(rng.randint(1, 8))]
+    _print_all(_flipped(flips))
+
+
+def test_a_run_key_with_a_byte_that_is_not_utf8_is_shown_escaped() -> None:
+    """One of the cases the issue found: byte 0x8a in the run key statediff_version (h5py hands it
+    over as U+DC8A; printed as it is, the raw byte reached the terminal)."""
+    at = REF_HIT.read_bytes().find(b'"statediff_version"')
+    assert at > 0
+    out = _print_all(_flipped([(at + 7, 0x8A)]))
+    code, text, err = out[("inspect", "H")]
+    assert (code, err) == (0, "")
+    assert "  stated\\x8aff_version   0.1.0" in text.splitlines()
+    assert '"stated\\\\x8aff_version": "0.1.0"' in out[("inspect", "H", "--json")][1]
 
 
 # -- version 3: /digests rows that summarise tensors with data -------------------------------------

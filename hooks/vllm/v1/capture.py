@@ -222,7 +222,7 @@ class V1Capture:
         self.attn = [li for li in self.layers if li.kind == "attn"] if recorder.config.kv == "all" else []
         self.ctx = surface.forward_context(runner)
         self.spec = runner.speculative_config is not None
-        self.drafter = SpecCapture(self) if self.spec else None  # drafter inputs (v1/spec.py)
+        self.drafter = self._drafter_capture() if self.spec else None  # drafter inputs (v1/spec.py)
         self.activations = None
         if recorder.config.activations:  # opt-in, eager only, perturbs numerics (v1/activations.py)
             if not runner.model_config.enforce_eager:
@@ -259,6 +259,33 @@ class V1Capture:
              "drafter": is_drafter_layer(li.layer, self.runner)}  # the drafter's own layer (MTP, EAGLE-3)
             for li in self.layers
         ])
+
+    # -- where the runner keeps it (Model Runner V2 overrides these: v2/capture.py) --------
+
+    def _drafter_capture(self) -> Any:
+        """The drafter-input capture of this runner (``spec_v1.SpecCapture``)."""
+        return SpecCapture(self)
+
+    def _request_block_ids(self, req_id: str) -> tuple[list[int], ...] | None:
+        """The request's block ids per KV-cache group as the runner keeps them; None once dropped."""
+        return surface.request_block_ids(self.runner, req_id)
+
+    def _device_block_rows(self, req_id: str, lengths: list[int]) -> list[list[int]]:
+        """The first ``lengths[g]`` block ids of the request in the device table the kernels read this step."""
+        return surface.device_block_rows(self.runner, req_id, lengths)
+
+    def _batch_row(self, req_id: str) -> int:
+        """The request's row in this step's batch (KeyError: not in it)."""
+        return surface.batch_row(self.runner, req_id)
+
+    def _block_table_row(self, group: int, req_id: str, cache: torch.Tensor, own_group: bool = False) -> Any:
+        """The ``RestoreTarget`` a KV fault edits: the request's block-table row of ``group``
+        (``own_group``: no target layer reads through that group's table)."""
+        return BlockTableRow(self.runner, group, req_id, cache, own_group)
+
+    def _gdn_metadata(self, layer_name: str) -> Any:
+        """This forward's attention metadata of a GDN layer (None outside a forward)."""
+        return surface.forward_metadata(layer_name)
 
     # -- step bookkeeping ----------------------------------------------------
 
@@ -321,7 +348,9 @@ class V1Capture:
                     site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "attn",
                                 drafter=is_drafter_layer(li.layer, self.runner))
                     cache = surface.layer_cache(self.ctx[li.name])
-                    if self.faults.plant(site, BlockTableRow(self.runner, li.group, sr.req_id, cache)):
+                    own = site.drafter and not any(x.group == li.group and not is_drafter_layer(x.layer, self.runner)
+                                                   for x in self.attn_all)
+                    if self.faults.plant(site, self._block_table_row(li.group, sr.req_id, cache, own)):
                         break
 
     def after_prepare_inputs(self) -> None:
@@ -338,17 +367,21 @@ class V1Capture:
                 continue
             for li in self.gdn:
                 block_ids = surface.request_block_ids(self.runner, sr.req_id)[li.group]
-                slot = block_ids[mamba_state_idx[sr.req_id]]
-                conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
-                if self.faults.wants("gdn"):
-                    earlier = (self.earlier.get(self.tokens[sr.req_id][:sr.hit - li.block_size], li.layer)
-                               if sr.req_id in self.tokens else None)
-                    site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "gdn")
-                    if self.faults.plant(site, GdnSlot(conv, ssm, slot, earlier)):
-                        self.earlier.clear()
-                for kind, t in (("gdn.conv_state", conv_view(self.runner, conv[slot])), ("gdn.ssm_state", ssm[slot])):
-                    self.rec.tensor(t, request=sr.index, position=sr.hit, layer=li.layer,
-                                    kind=kind, role="resumed", module=li.name, block=slot)
+                self._resumed_gdn(sr, li, block_ids[mamba_state_idx[sr.req_id]])
+
+    def _resumed_gdn(self, sr: StepReq, li: LayerInfo, slot: int) -> None:
+        """Read (and, for a planted fault, corrupt first) the state block ``slot`` of GDN layer ``li``
+        that the kernel reads this step, right after the restore copy of hit request ``sr``."""
+        conv, ssm = surface.layer_cache(self.ctx[li.name])[:2]
+        if self.faults.wants("gdn"):
+            earlier = (self.earlier.get(self.tokens[sr.req_id][:sr.hit - li.block_size], li.layer)
+                       if sr.req_id in self.tokens else None)
+            site = Site(sr.index, sr.hit, li.layer, li.name, li.block_size, "gdn")
+            if self.faults.plant(site, GdnSlot(conv, ssm, slot, earlier)):
+                self.earlier.clear()
+        for kind, t in (("gdn.conv_state", conv_view(self.runner, conv[slot])), ("gdn.ssm_state", ssm[slot])):
+            self.rec.tensor(t, request=sr.index, position=sr.hit, layer=li.layer,
+                            kind=kind, role="resumed", module=li.name, block=slot)
 
     def before_forward(self) -> None:
         """First chunks, inside the forward before the kernels run: how each GDN layer's metadata
@@ -360,14 +393,14 @@ class V1Capture:
                 continue
             sr.classified = True  # once: a second forward in the same step reads nothing more
             try:
-                row = surface.batch_row(self.runner, sr.req_id)
+                row = self._batch_row(sr.req_id)
             except KeyError:  # not in this forward's batch: nothing to read
                 continue
             if not sr.hit and self.faults.wants("first"):
                 self._plant_recycled(sr, row)
             layers, batch = {}, Batch(self.rec)
             for li in self.gdn:
-                v = surface.gdn_first_chunk(surface.forward_metadata(li.name), row)
+                v = surface.gdn_first_chunk(self._gdn_metadata(li.name), row)
                 if v is None:
                     continue
                 layers[str(li.layer)] = {"treated_as": v.treated_as, "prior_state": v.prior_state, "slot": v.slot}
@@ -383,7 +416,7 @@ class V1Capture:
     def _plant_recycled(self, sr: StepReq, row: int) -> None:
         """The recycled-slot fault at a first chunk without a hit (``v1.faults.RecycledSlot``)."""
         for li in self.gdn:
-            md = surface.forward_metadata(li.name)
+            md = self._gdn_metadata(li.name)
             v = surface.gdn_first_chunk(md, row)
             if v is None:
                 continue
@@ -426,7 +459,7 @@ class V1Capture:
     # -- reads ---------------------------------------------------------------
 
     def _checkpoints(self, sr: StepReq, end: int) -> None:
-        block_ids = surface.request_block_ids(self.runner, sr.req_id)
+        block_ids = self._request_block_ids(sr.req_id)
         if block_ids is None:
             return
         batch = Batch(self.rec)  # every layer's states of a kind in one summary pass (GPU: fewer ops)
@@ -475,7 +508,7 @@ class V1Capture:
         ``NewRequestData.block_ids``. Returns the runner's lists.
         """
         lengths = [sr.hit // bs if bs else 0 for bs in self.group_block_size]
-        runner_rows = surface.device_block_rows(self.runner, sr.req_id, lengths)
+        runner_rows = self._device_block_rows(sr.req_id, lengths)
         sched_rows = [[int(x) for x in sr.block_ids[g][:n]] for g, n in enumerate(lengths)]
         self.rec.set_request(sr.index, hit_block_table={"runner": runner_rows,
                                                                   "scheduler": sched_rows})
@@ -643,8 +676,27 @@ def _linear_kernels(runner: Any) -> dict[str, str]:
         return {}
 
 
-def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
+def block_drop_facts(spec: Any, facts: surface.VersionFacts, vllm_config: Any) -> dict[str, Any]:
+    """Run metadata ``version_facts.eagle_block_drop`` (None without a drafter) and
+    ``hash_lookahead_tokens``: the scheduler's own values where it runs in this process
+    (``sched.NOTED``), else derived from the engine's config as its ``__init__`` does
+    (``surface.eagle_block_drop``, ``surface.hash_lookahead_tokens``)."""
+    from .sched import NOTED
+
+    if NOTED:
+        drop, ahead = NOTED["eagle_block_drop"], NOTED["hash_lookahead_tokens"]
+    else:
+        drop, ahead = surface.eagle_block_drop(spec, facts, vllm_config), surface.hash_lookahead_tokens(vllm_config)
+    return {"eagle_block_drop": None if spec is None else bool(drop), "hash_lookahead_tokens": ahead}
+
+
+def run_metadata(runner: Any, adapter: surface.Adapter | None = None, model_runner: str = "v1",
+                 runner_name: str = surface.RUNNER_NAME) -> dict:
     """Run metadata from the running engine (``docs/trace-format.md``, ``/run``).
+
+    ``model_runner``: which of vLLM's model runners ran ("v1": ``v1/worker/gpu_model_runner.py``;
+    "v2": Model Runner V2, ``v1/worker/gpu/model_runner.py``), run field ``model_runner``;
+    ``runner_name`` the prefix of run field ``runner`` (the runner family, then its class).
 
     ``adapter``: the version row the capture runs with (``surface.check_version``; None: checked
     here), recorded as ``adapter`` ("verified" / "unverified"), ``adapter_version`` and
@@ -671,7 +723,7 @@ def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
     spec = vc.speculative_config
     adapter = adapter or surface.check_version()
     fields = adapter.run_fields()
-    fields["version_facts"]["eagle_block_drop"] = surface.eagle_block_drop(spec, adapter.facts)
+    fields["version_facts"].update(block_drop_facts(spec, adapter.facts, vc))
     try:
         digest = config_digest(mc.hf_config.to_dict())
     except Exception:  # noqa: BLE001 - a config that does not serialise: digest unknown
@@ -680,7 +732,8 @@ def run_metadata(runner: Any, adapter: surface.Adapter | None = None) -> dict:
         "engine": "vllm",
         "engine_version": getattr(vllm, "__version__", None),
         "engine_commit": getattr(vllm, "__commit__", None),
-        "runner": f"{surface.RUNNER_NAME}:{type(runner).__name__}",
+        "runner": f"{runner_name}:{type(runner).__name__}",
+        "model_runner": model_runner,
         "model": str(mc.model),
         "architecture": (getattr(mc.hf_config, "architectures", None) or [None])[0],
         "config_digest": digest,

@@ -116,9 +116,23 @@ class BlockTableRow(_Target):
     (the plugin's wrapper of ``GPUModelRunner._prepare_inputs``).
     """
 
-    def __init__(self, runner: Any, group: int, req_id: str, cache: torch.Tensor | None = None) -> None:
+    def __init__(self, runner: Any, group: int, req_id: str, cache: torch.Tensor | None = None,
+                 own_group: bool = False) -> None:
         self.row = surface.host_block_row(runner, group, req_id)  # a view: edits reach the table
         self.cache = cache  # the layer's KV cache [num_blocks, ...] (drafter-kv-zero)
+        self.own_group = own_group  # no target layer reads through this group's table
+
+    def unwritten_kv_blocks(self, n: int) -> list[int] | None:
+        """Point logical blocks ``0 .. n-1`` at the pool's last blocks: the block pool hands out
+        free blocks from the front of its queue (``v1/core/block_pool.py``), so in a short run
+        nothing is ever written there. None when a target layer shares this group's table."""
+        if not self.own_group or self.cache is None:
+            return None
+        top = int(self.cache.shape[0]) - 1
+        got = [top - j for j in range(n)]
+        for j, b in enumerate(got):
+            self.row[j] = b
+        return got
 
     def zero_kv_blocks(self, blocks: range) -> None:
         for b in blocks:  # one physical block holds the layer's K and V of its tokens

@@ -114,6 +114,29 @@ def one_block_per_step(sched: Any) -> int:
     return block
 
 
+#: What the scheduler last built in this process runs with (``surface.scheduler_block_facts``: the
+#: hit's last-block drop and the hashes' lookahead), noted by ``wrap_init_note``; empty where the
+#: scheduler runs in another process (the engine core under tensor parallelism).
+NOTED: dict[str, Any] = {}
+
+
+def wrap_init_note(orig: Any) -> Any:
+    """Wrapper for ``Scheduler.__init__`` noting ``surface.scheduler_block_facts`` in ``NOTED`` after it
+    (vLLM 0.33 decides the drop there: lookahead block hashes turn it off)."""
+    from ..surface import scheduler_block_facts
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *a: Any, **kw: Any) -> None:
+        orig(self, *a, **kw)
+        try:
+            NOTED.clear()
+            NOTED.update(scheduler_block_facts(self))
+        except AttributeError:
+            pass  # a scheduler without a KV cache manager: the run metadata derives it from the config
+
+    return __init__
+
+
 def wrap_init_exact(orig: Any) -> Any:
     """Wrapper for ``Scheduler.__init__`` applying ``one_block_per_step`` after it."""
 

@@ -119,20 +119,25 @@ class SpecCapture:
         }
         # the rows the drafter model receives inside the proposer (v1/proposer.py): hidden-state drafters
         self.layout: list[tuple[Any, int, int]] | None = None  # this call's (StepReq, rows, verified rows)
-        self.proposer: ProposerCapture | None = None
-        model_input, why = None, None
-        if sc.use_dflash():  # DFlashProposer overrides set_inputs_first_pass: its rows are remapped
-            why = "DFlash's proposer lays out its own rows (DFlashProposer.set_inputs_first_pass)"
-        elif self.uses_hidden and not _proposer_hooked():
-            why = "this vLLM has no SpecDecodeBaseProposer.set_inputs_first_pass (vllm/v1/spec_decode/llm_base_proposer.py)"
-        elif self.uses_hidden:
-            first = surface.drafter_first_layer(cap.layers, runner)
-            self.proposer = ProposerCapture(self, first)
-            model_input = {"kind": MODEL_INPUT_KIND, "role": PROPOSER_ROLE, "layer": first, "module": MODEL_INPUT_MODULE}
+        self.proposer, model_input, why = self._proposer_capture(cap, runner, sc)
         self.rec.set_run(drafter=self.run_drafter(model_input=model_input, **({"model_input_why": why} if why else {})))
         if f is not None and f.name == "drafter-shift" and self.proposer is None:
             print(f"statediff: fault {f.spec} cannot fire: the {self.method} proposer's rows are not read "
                   f"({why or 'its drafter is given no hidden states'})", file=sys.stderr, flush=True)
+
+    def _proposer_capture(self, cap: Any, runner: Any, sc: Any) -> tuple[ProposerCapture | None, dict | None, str | None]:
+        """(the capture of the rows the drafter model receives, run field ``drafter.model_input``, why
+        they are not recorded): ``v1/proposer.py`` for hidden-state drafters of the V1 proposer."""
+        if sc.use_dflash():  # DFlashProposer overrides set_inputs_first_pass: its rows are remapped
+            return None, None, "DFlash's proposer lays out its own rows (DFlashProposer.set_inputs_first_pass)"
+        if self.uses_hidden and not _proposer_hooked():
+            return None, None, ("this vLLM has no SpecDecodeBaseProposer.set_inputs_first_pass "
+                                "(vllm/v1/spec_decode/llm_base_proposer.py)")
+        if not self.uses_hidden:
+            return None, None, None
+        first = surface.drafter_first_layer(cap.layers, runner)
+        return (ProposerCapture(self, first),
+                {"kind": MODEL_INPUT_KIND, "role": PROPOSER_ROLE, "layer": first, "module": MODEL_INPUT_MODULE}, None)
 
     def run_drafter(self, **fields: Any) -> dict[str, Any]:
         """Run metadata ``drafter``, with ``fields`` set (``model_input``: where the proposer's rows
@@ -151,10 +156,17 @@ class SpecCapture:
             RuntimeError: the batch layout does not match the scheduler output
                 (recording stops; the engine continues).
         """
-        call = surface.drafter_call(args)
+        self.observe_call(surface.drafter_call(args), surface.batch_request_ids(self.cap.runner))
+
+    def observe_call(self, call: surface.DrafterCall, req_ids: list[str]) -> None:
+        """``before_propose`` on one drafter call: ``call``'s rows laid out by ``req_ids`` (the batch's
+        order), ``num_scheduled_tokens`` rows each.
+
+        Raises:
+            RuntimeError: the batch layout does not match the scheduler output.
+        """
         so = call.scheduler_output
         steps = {sr.req_id: sr for sr in self.cap.step}
-        req_ids = surface.batch_request_ids(self.cap.runner)
         scheduled = surface.scheduled_tokens(so)
         counts = [int(scheduled.get(rid, 0)) for rid in req_ids]
         if sum(counts) != surface.total_scheduled_tokens(so):

@@ -8,13 +8,15 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+# plain imports, no importorskip: a vLLM that moved this module fails here, in CI, instead of skipping
+import torch
+import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn
 
-torch = pytest.importorskip("torch")
-gdn = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
+from statediff_hooks.vllm.cpu import gdn_ragged_fix
+
+pytestmark = pytest.mark.vllm
 F = torch.nn.functional
 
-from statediff_hooks.vllm.cpu import gdn_ragged_fix  # noqa: E402 - after the engine packages are known present
 WIDTH, K, DIM = 4, 3, 5
 STATE_LEN = WIDTH - 1 + K
 

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+import numpy as np
+import torch
 
-torch = pytest.importorskip("torch")
-np = pytest.importorskip("numpy")
+pytestmark = pytest.mark.vllm
 
 B, NUM_SPEC, WIDTH, DIM, H, V, K = 16, 3, 4, 40, 2, 8, 8
 STATE_LEN = WIDTH - 1 + NUM_SPEC

@@ -31,15 +31,21 @@ def recorder(tmp_path) -> NS:
     return NS(step=0, auditor=LiveAuditor({}, LiveConfig(str(tmp_path / "inc.jsonl"))))
 
 
-@pytest.fixture
-def fresh_env(monkeypatch):
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    monkeypatch.delenv(metrics.DIR_ENV, raising=False)
-    yield
+def _forget_served() -> None:
     for x in metrics._served:
         if isinstance(x, tuple):
             REGISTRY.unregister(x[1])
     metrics._served.clear()
+
+
+@pytest.fixture
+def fresh_env(monkeypatch):
+    """No metrics directory and no collector of an earlier test in this process (plugin tests serve too)."""
+    _forget_served()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv(metrics.DIR_ENV, raising=False)
+    yield
+    _forget_served()
 
 
 def test_counters_reach_the_front_end_registry_once_per_step(tmp_path, fresh_env):

@@ -3,6 +3,7 @@ environment the engine's processes read, the capture installed for it, the trace
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -16,6 +17,10 @@ from statediff_hooks.vllm import plugin, replay
 from statediff_hooks.vllm.replay import ReplayPlan, ReplaySpec, engine_environment, finish_trace, install_capture
 
 TURNS = [Turn(line=1, id="a", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 4})]
+# run field conversation_digest, by its rule (recording/fields.py): sha256 of the replayed prompts'
+# token ids as JSON, here [[1, 2, 3]]; pinned, so a change of the rule shows
+PROMPTS_DIGEST = "4f6f1e9b8e7389cd920695e1f62808765b07297631ff05574a6dc0e577c1a736"
+assert hashlib.sha256(b"[[1, 2, 3]]").hexdigest() == PROMPTS_DIGEST
 
 
 def plan(trace="t.h5", splits=None, **spec) -> ReplayPlan:
@@ -29,7 +34,7 @@ def test_the_recorder_config_carries_the_replay_s_run_metadata():
     assert p.recorder == RecorderConfig(
         trace="t.h5", mode="cold", replay="exact", kv="all", fault=None, overwrite=False, activations=False,
         keep=KeepSpec("all"),
-        run_extra={"conversation_digest": p.recorder.run_extra["conversation_digest"], "sampling": {"max_tokens": 4},
+        run_extra={"conversation_digest": PROMPTS_DIGEST, "sampling": {"max_tokens": 4},
                    "num_requests": 1, "exact_form": "block", "split_plan": None, "logprobs_k": 5,
                    "conversation": "c.jsonl"})
     assert plan().recorder.keep == KeepSpec() and plan().recorder.replay == "default"

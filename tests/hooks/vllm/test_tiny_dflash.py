@@ -19,7 +19,7 @@ def built(tmp_path_factory):
     require_engine()
     root = tmp_path_factory.mktemp("tiny-dflash")
     target, dflash = root / "tiny-mtp", root / "dflash"
-    for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "dflash", "--target", str(target), "-o", str(dflash))):
+    for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "dflash-anchor-only", "--target", str(target), "-o", str(dflash))):
         r = run_cli("build-tiny-model", *args)
         assert r.returncode == 0, r.stderr[-2000:]
     from safetensors.torch import load_file
@@ -72,12 +72,12 @@ def test_kind_dflash_is_deterministic_and_refuses_a_target_it_does_not_fit(built
     from safetensors.torch import load_file
 
     again = tmp_path / "again"
-    r = run_cli("build-tiny-model", "--kind", "dflash", "--target", str(built[4]), "-o", str(again))
+    r = run_cli("build-tiny-model", "--kind", "dflash-anchor-only", "--target", str(built[4]), "-o", str(again))
     assert r.returncode == 0, r.stderr
     assert all(load_file(str(again / "model.safetensors"))[k].equal(v) for k, v in built[1].items())
     big = tmp_path / "big"
     big.mkdir()
     (big / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 1024, "vocab_size": 8}))
-    r = run_cli("build-tiny-model", "--kind", "dflash", "--target", str(big), "-o", str(tmp_path / "d"))
+    r = run_cli("build-tiny-model", "--kind", "dflash-anchor-only", "--target", str(big), "-o", str(tmp_path / "d"))
     assert (r.returncode, r.stderr.strip()) == (
         2, "statediff: error: the tiny DFlash drafter needs a hidden size of at most 512, not 1024")

@@ -51,6 +51,7 @@ def test_an_unknown_version_is_refused_in_one_plain_line():
 
 def test_the_override_is_read_from_the_environment(monkeypatch):
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.delenv("STATEDIFF_ALLOW_UNVERIFIED", raising=False)
     with pytest.raises(surface.UnsupportedEngine, match="^vLLM 0.33.0 is not verified"):
         surface.check_version()
@@ -73,7 +74,7 @@ class SpecConfig:
 
 
 def test_the_eagle_drop_is_read_through_the_versions_switch():
-    v029, v032 = surface.VERSIONS[0], surface.VERSIONS[-1]
+    v029, v032 = surface.VERSIONS[0], surface.VERSIONS[3]
     off = SpecConfig("eagle3", disable=True)  # vLLM 0.30+ can switch the drop off
     assert surface.eagle_block_drop(off, v032) is False
     assert surface.eagle_block_drop(off, v029) is True  # 0.29 has no switch: use_eagle decides
@@ -99,43 +100,26 @@ def no_patching(monkeypatch):
 
 def test_install_capture_refuses_an_unknown_version_before_anything_is_patched(monkeypatch, no_patching, tmp_path):
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.delenv("STATEDIFF_ALLOW_UNVERIFIED", raising=False)
     with pytest.raises(StatediffError) as e:
         replay.install_capture({"STATEDIFF_TRACE": str(tmp_path / "t.h5")})
     assert str(e.value) == REFUSAL_033 and no_patching == []
 
 
+@pytest.mark.engine  # install_capture imports vLLM (the capture's patch points)
 def test_the_override_survives_install_capture_and_picks_the_nearest_adapter(monkeypatch, no_patching, tmp_path):
     """The override was lost before: install_capture cleared every STATEDIFF_* variable."""
     monkeypatch.setattr(surface, "installed_version", lambda: "0.33.0")
+    monkeypatch.setattr(surface, "installed_surface", lambda runner="v1": None)  # the version string alone
     monkeypatch.setenv("STATEDIFF_ALLOW_UNVERIFIED", "1")
     monkeypatch.setenv("STATEDIFF_FAULT", "left-over")  # an earlier replay's variable: cleared
     replay.install_capture({"STATEDIFF_TRACE": str(tmp_path / "t.h5")})
     assert os.environ["STATEDIFF_ALLOW_UNVERIFIED"] == "1" and "STATEDIFF_FAULT" not in os.environ
-    assert surface.EXECUTE_MODEL in no_patching and surface.RUNNER_V2_INIT in no_patching
+    from statediff_hooks.vllm.v2 import surface as v2
+    assert surface.EXECUTE_MODEL in no_patching and v2.EXECUTE_MODEL in no_patching
     (adapter,) = plugin._adapter
     assert (adapter.engine_version, adapter.facts.version, adapter.verified) == ("0.33.0", "0.32.0", False)
-
-
-def test_the_v2_refusal_says_how_to_select_v1_what_could_hide_and_what_verifying_v2_needs():
-    text = plugin.v2_refusal(surface.VERSIONS[-1])
-    assert text == (
-        "statediff has no adapter for vLLM Model Runner V2 (v1/worker/gpu/model_runner.py): set "
-        "VLLM_USE_V2_MODEL_RUNNER=0 (and leave out hisparse_config and watermark_config, which force V2 on "
-        "vLLM 0.32.0) to record with the V1 runner; a bug that lives only in V2's code (v1/worker/gpu/) can "
-        "then hide, since the V1 runner does not run it; verifying V2 needs a V2 capture (its patch points and "
-        "reads in hooks/vllm/surface.py) and the engine tests passing on a machine where V2 runs (a GPU with "
-        "Triton: the registry's Triton has no CPU backend)")
-    assert "\n" not in text
-    assert "leave out" not in plugin.v2_refusal(surface.VERSIONS[0])  # 0.29: no option forces V2
-    init = plugin._refuse_v2(lambda self: None)
-    plugin._adapter[:] = [surface.adapter_for("0.30.0")]
-    try:
-        with pytest.raises(surface.UnsupportedEngine) as e:
-            init(NS())
-    finally:
-        plugin._adapter.clear()
-    assert str(e.value) == plugin.v2_refusal(surface.VERSIONS[1])
 
 
 def test_the_hit_accounting_takes_the_engines_own_answer_on_the_block_drop():

@@ -91,12 +91,17 @@ def test_recycled_slot_is_named_at_position_zero(audited):
 
 def test_a_group_shortfall_is_named_with_both_lengths(audited):
     """The scheduler-side fault drops the attention group's last hit block at request 1 (hit 384):
-    group 3 ends at 256, the GDN groups at 384; the block read there was never written."""
+    group 3 ends at 256, the GDN groups at 384; the block read there was never written: a
+    read-before-write on group 3 (issue 34; it used to be filed as "not checkable")."""
     r = audited("group-shortfall", "--fault", "group-shortfall")
-    f = r.first
-    assert (f.check, f.request, f.position, f.layer, f.kind) == ("group_hit", 1, 384, 3, "group_hit")
-    assert f.what == ("KV-cache groups disagree on the final prefix-cache hit: group 3 (FullAttentionSpec) "
+    g = next(f for f in r.findings if f.check == "group_hit")
+    assert (g.check, g.request, g.position, g.layer, g.kind) == ("group_hit", 1, 384, 3, "group_hit")
+    assert g.what == ("KV-cache groups disagree on the final prefix-cache hit: group 3 (FullAttentionSpec) "
                       "covers 256 tokens, group 0 (MambaSpec) covers 384 (the engine reported 384); tokens "
                       "[256, 384) are neither cached in the shorter group nor recomputed")
-    assert len(r.findings) == 1 and r.unchecked_count == 2
-    assert r.unchecked[0].startswith("request 1 position 384 layer 3 attn.k: nothing recorded was written into block")
+    rbw = [f for f in r.findings if f.check == "read_before_write"]
+    assert [(f.request, f.position, f.layer, f.kind) for f in rbw] == [(1, 384, 3, "attn.k"), (1, 384, 3, "attn.v")]
+    assert rbw[0].what.startswith("read, never written: KV-cache group 3 reads tokens [256, 384) from block ")
+    assert rbw[0].diagnosis.endswith("group 3's prefix-cache hit covers 256 tokens, the longest group's 384: these "
+                                     "tokens were neither restored nor recomputed in group 3")
+    assert len(r.findings) == 3 and r.unchecked_count == 0

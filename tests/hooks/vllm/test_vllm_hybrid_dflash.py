@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     require_engine()
     root = tmp_path_factory.mktemp("hybrid-dflash")
     target, dflash = root / "tiny-mtp", root / "dflash"
-    for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "dflash", "--target", str(target), "-o", str(dflash))):
+    for args in (("--kind", "mtp", "-o", str(target)), ("--kind", "dflash-anchor-only", "--target", str(target), "-o", str(dflash))):
         r = run_cli("build-tiny-model", *args)
         assert r.returncode == 0, r.stderr[-2000:]
     spec = json.dumps({"method": "dflash", "model": str(dflash), "num_speculative_tokens": K})
