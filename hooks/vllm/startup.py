@@ -11,8 +11,9 @@ that fails leaves that fact unknown (a condition on it then never matches).
 
 Each match is one WARNING on vLLM's logger (``vllm.statediff``: vLLM's own log format), the
 line ``statediff doctor`` prints. ``STATEDIFF_KNOWN_BUGS=refuse`` makes a match stop the engine
-(one line ``statediff: error: ...`` on stderr, exit status 2); ``off`` skips the check. Installed by the plugin in every
-process unless ``STATEDIFF_DISABLE=1``; ``install`` never raises (the plugin guards it too).
+(one line ``statediff: error: ...`` on stderr, exit status 2); ``off`` skips the check. Installed by the entry point
+(``entry.py``, asked for or not) in the process that makes the config, unless ``STATEDIFF_DISABLE=1``
+or ``STATEDIFF_KNOWN_BUGS=off``; a failure there is one line and vLLM goes on.
 """
 
 from __future__ import annotations
