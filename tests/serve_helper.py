@@ -63,8 +63,9 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
+        tail = self.tail()  # before stop() closes the log
         self.stop()
-        raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{self.tail()}")
+        raise RuntimeError(f"vllm serve did not come up in {timeout} s:\n{tail}")
 
     def tail(self, n: int = 4000) -> str:
         self._fh.flush()
@@ -78,6 +79,11 @@ class Server:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
+
+    def metrics(self) -> str:
+        """The text of ``GET /metrics`` (Prometheus exposition format)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as r:
+            return r.read().decode()
 
     def concurrent(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:
         """All ``prompts`` at once, one thread each; responses in order."""

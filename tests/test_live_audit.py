@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from statediff.audit.live import LiveAuditor, LiveConfig
+from statediff.audit.live import LiveAuditor, LiveConfig, prompt_digest
 from statediff.trace.summary import Summary
 
 BS = 128
@@ -32,7 +32,7 @@ def restore(a: LiveAuditor, req: int, pos: int, block: int, summary: Summary, st
                  kind="gdn.conv_state", role="resumed", module="m", step=step, block=block)
 
 
-def auditor(tmp_path, prompts: bool = True) -> LiveAuditor:
+def auditor(tmp_path, prompts: bool = False) -> LiveAuditor:
     a = LiveAuditor({"block_size": BS, "mamba_block_size": BS}, LiveConfig(str(tmp_path / "inc.jsonl"), prompts))
     a.update_run(layers=LAYERS)
     return a
@@ -47,7 +47,7 @@ def hit(a: LiveAuditor, idx: int, rid: str, prompt: list[int], blocks: list[int]
 
 
 def test_a_zeroed_restore_is_one_incident_with_who_wrote_the_expected_value(tmp_path, caplog):
-    a = auditor(tmp_path)
+    a = auditor(tmp_path, prompts=True)
     a.begin_request(0, "cmpl-a-0", PREFIX + [1, 2])
     for k, b in enumerate((4, 5, 6)):
         write(a, 0, (k + 1) * BS, b, "abc"[k], step=k)
@@ -67,15 +67,19 @@ def test_a_zeroed_restore_is_one_incident_with_who_wrote_the_expected_value(tmp_
     assert got["expected"] == {"digest": "c" * 32, "request_id": "cmpl-a-0", "step": 2, "block": 6,
                                "position": 384, "token_start": 384}
     assert got["got"] == {"digest": "0" * 32, "block": 22} and got["prompt_token_ids"] == PREFIX + [4]
+    assert got["prompt"] == {"digest": prompt_digest(PREFIX + [4]), "tokens": 385}
     assert [r.getMessage() for r in caplog.records] == [
         f"statediff live audit: request cmpl-c-0 step 6 position 384 layer 0 gdn.conv_state: resumed state differs "
         f"from the checkpoint saved at this boundary; all zeros: the restored value was never written, or was "
         f"zeroed (incident appended to {tmp_path / 'inc.jsonl'})"]
     assert a.close()["incidents"] == 1 and a.close()["restores_checked"] == 2
+    # by label, for the engine's /metrics: 2 restores and 2 block-table rows (request 1: one per KV-cache group;
+    # request 2 is reported at its restore, its fields are not checked after), 1 violation
+    assert dict(a.checked) == {"state": 2, "block_table": 2} and dict(a.violations) == {("state", "gdn.conv_state"): 1}
 
 
-def test_prompts_off_and_a_block_rewritten_for_another_prefix(tmp_path):
-    a = auditor(tmp_path, prompts=False)
+def test_prompts_off_by_default_and_a_block_rewritten_for_another_prefix(tmp_path):
+    a = auditor(tmp_path)
     a.begin_request(0, "r0", PREFIX)
     write(a, 0, 384, 6, "c", step=0)
     a.end_step()
@@ -88,7 +92,10 @@ def test_prompts_off_and_a_block_rewritten_for_another_prefix(tmp_path):
     hit(a, 2, "r2", PREFIX + [5], [4, 5, 6], s("c"), step=3)  # restores PREFIX from a block now holding r1's
     got = json.loads((tmp_path / "inc.jsonl").read_text())
     assert (got["check"], got["expected"]["request_id"]) == ("block_owner", "r1")
-    assert "prompt_token_ids" not in got
+    # no user data by default: the prompt's digest and length, enough to find it in a replay
+    assert "prompt_token_ids" not in got and "[999" not in json.dumps(got)
+    assert got["prompt"] == {"digest": prompt_digest(PREFIX + [5]), "tokens": 385}
+    assert dict(a.violations) == {("block_owner", "gdn.conv_state"): 1}
     for i in (1, 2):
         a.update_request(i, finished=True)
     assert a.requests == {} and a.tokens == {}
@@ -96,7 +103,8 @@ def test_prompts_off_and_a_block_rewritten_for_another_prefix(tmp_path):
 
 @pytest.mark.parametrize("env, error", [
     ({"STATEDIFF_LIVE_AUDIT": "x.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "no"},
-     "STATEDIFF_LIVE_AUDIT_PROMPTS='no': expected 0 (leave prompts out) or 1"),
+     "STATEDIFF_LIVE_AUDIT_PROMPTS='no': expected 1 (incidents carry the prompt token ids) or 0 (the default: "
+     "a digest of the prompt and its length)"),
     ({"STATEDIFF_LIVE_AUDIT_PROMPTS": "0"}, "STATEDIFF_LIVE_AUDIT_PROMPTS is set but STATEDIFF_LIVE_AUDIT is not"),
     ({"STATEDIFF_LIVE_AUDIT": "/nonexistent/dir/x.jsonl"},
      "STATEDIFF_LIVE_AUDIT=/nonexistent/dir/x.jsonl: directory /nonexistent/dir does not exist"),
@@ -112,8 +120,20 @@ def test_bad_configuration_is_one_line(env, error):
 def test_configuration(tmp_path):
     assert LiveConfig.from_env({}) is None
     assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": str(tmp_path / "i.jsonl")}) == LiveConfig(
-        str(tmp_path / "i.jsonl"), True)
+        str(tmp_path / "i.jsonl"), False)
     assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": "i.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "0"}).prompts is False
+    assert LiveConfig.from_env({"STATEDIFF_LIVE_AUDIT": "i.jsonl", "STATEDIFF_LIVE_AUDIT_PROMPTS": "1"}).prompts is True
+
+
+def test_prompt_digest_is_of_the_ids_alone():
+    # BLAKE2b-128 of little-endian int64 ids: computable from a replay's prompt_token_ids anywhere
+    import hashlib
+
+    import numpy as np
+
+    assert prompt_digest([1, 2, 3]) == hashlib.blake2b(b"".join(i.to_bytes(8, "little") for i in (1, 2, 3)),
+                                                        digest_size=16).hexdigest()
+    assert prompt_digest(np.array([1, 2, 3], dtype=np.int32)) == prompt_digest([1, 2, 3]) != prompt_digest([1, 2])
 
 
 def test_an_incident_file_that_is_not_a_regular_writable_file_is_refused(tmp_path):
@@ -137,8 +157,9 @@ def test_the_plugin_refuses_a_bad_value_in_one_line_before_the_engine(monkeypatc
     with pytest.raises(SystemExit) as e:
         plugin.register()
     assert e.value.code == 2
-    assert capsys.readouterr().err == ("statediff: error: STATEDIFF_LIVE_AUDIT_PROMPTS='yes': expected 0 (leave "
-                                       "prompts out) or 1\n")
+    assert capsys.readouterr().err == ("statediff: error: STATEDIFF_LIVE_AUDIT_PROMPTS='yes': expected 1 (incidents "
+                                       "carry the prompt token ids) or 0 (the default: a digest of the prompt and "
+                                       "its length)\n")
 
 
 def test_a_hit_requests_falling_acceptance_is_an_incident(tmp_path):

@@ -279,6 +279,11 @@ class Recorder:
         """A run-metadata field as recorded so far (a copy)."""
         return self._writer.run_field(key, default)
 
+    @property
+    def auditor(self) -> LiveAuditor | None:
+        """The live audit this recorder feeds (None when it writes a trace)."""
+        return self._writer if self.live else None
+
     def end_step(self) -> None:
         self._writer.end_step()
         self.step += 1

@@ -72,6 +72,7 @@ def register() -> None:
         names = asked()
     except Exception:  # noqa: BLE001 - nothing may stop a vLLM that did not ask for statediff
         return
+    _check_known_bugs()
     if not names:
         return
     plugin = None
@@ -91,3 +92,21 @@ def register() -> None:
               f"STATEDIFF_DEBUG=1 shows the traceback; unset {variables} to run vLLM without statediff)",
               file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _check_known_bugs() -> None:
+    """Known engine bugs (issue 35: ``statediff/enginebugs/known_bugs.toml``, ``startup.py``): one
+    WARNING per match in vLLM's log when this process makes an engine's config, statediff asked for
+    or not. Only where vLLM's ``engine.arg_utils`` is already loaded (the process that makes the
+    config: vLLM loads plugins from there); skipped with ``STATEDIFF_DISABLE=1`` or
+    ``STATEDIFF_KNOWN_BUGS=off``. Never raises: a failure is one line on stderr, vLLM goes on."""
+    try:
+        if (os.environ.get("STATEDIFF_DISABLE") == "1" or os.environ.get("STATEDIFF_KNOWN_BUGS") == "off"
+                or "vllm.engine.arg_utils" not in sys.modules):
+            return
+        from . import startup
+
+        startup.install()
+    except Exception as e:  # noqa: BLE001 - an installed statediff never stops vLLM for this
+        print(f"statediff: known-bug check off: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+              file=sys.stderr, flush=True)

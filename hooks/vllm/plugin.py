@@ -33,19 +33,20 @@ import inspect
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from statediff.errors import first_line
-from . import surface
+from . import metrics, surface
 from .surface import UnsupportedEngine, check_version
 
 __all__ = ["RecordingRefused", "UnsupportedEngine", "annotate_request", "check_version", "close", "fault_fired",
            "mark_stopped", "register", "reset", "unregister"]
 
 _originals: list[tuple[Any, str, Any]] = []
-_state: dict[str, Any] = {"capture": None, "recorder": None, "error": None}
+_state: dict[str, Any] = {"capture": None, "recorder": None, "error": None, "metrics": None}
 _adapter: list[surface.Adapter] = []  # the version row register() checked, for the run metadata
 _hooked_exit: list[bool] = []  # the crash note is installed once per process
 
@@ -184,6 +185,8 @@ def register() -> None:
     install_engine_patches()
     if not capture:
         return  # STATEDIFF_ENGINE_PATCHES=1 alone: the stand-ins, no capture
+    if live:  # statediff's counters on this server's /metrics (metrics.py), before the engine core starts
+        _metrics_call(lambda: metrics.serve())
     if os.environ.get("STATEDIFF_TRACE"):
         _note_uncaught_exceptions()  # every process: the front end of a multi-process engine too
     for point, factory in CAPTURE_HOOKS:
@@ -397,7 +400,18 @@ def _capture_for(runner: Any) -> Any:
         _state["capture"] = cap = V2Capture(rec, runner)
     else:
         _state["capture"] = cap = V1Capture(rec, runner)
+    if rec.live:  # this process's live-audit counters, for the front end's /metrics
+        _state["metrics"] = _metrics_call(lambda: metrics.AuditMetrics(rec, (tp or {}).get("rank", 0)))
     return cap
+
+
+def _metrics_call(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None after one line on stderr: metrics never stop the audit or the engine."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        _log(f"live-audit metrics off: {type(e).__name__}: {first_line(e)}")
+        return None
 
 
 def _rank_config(config: Any, runner: Any) -> tuple[Any, dict | None]:
@@ -515,7 +529,9 @@ def _read_stop_note(trace: str) -> dict | None:
 
 
 def _guard(fn: Any) -> Any:
-    """Run a capture callback; a capture bug stops recording, never the engine."""
+    """Run a capture callback; a capture bug stops recording, never the engine.
+    A live audit's time in it goes to ``statediff:audit_seconds`` (``metrics.AuditMetrics.spent``)."""
+    t0 = time.perf_counter()
     try:
         fn()
     except UnsupportedEngine:
@@ -525,6 +541,14 @@ def _guard(fn: Any) -> Any:
             _state["error"] = f"{type(e).__name__}: {e}"
             _log(f"recording stopped: {_state['error']}")
             _state["capture"] = None
+    finally:
+        m = _state.get("metrics")
+        if m is not None:
+            try:
+                m.spent(time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - metrics never stop the audit
+                _state["metrics"] = None
+                _log(f"live-audit metrics off: {type(e).__name__}: {first_line(e)}")
 
 
 def close() -> dict:
@@ -594,4 +618,4 @@ def fault_fired() -> bool:
 
 def reset() -> None:
     """Forget this process's capture (a new engine in the same process records anew)."""
-    _state.update(capture=None, recorder=None, error=None)
+    _state.update(capture=None, recorder=None, error=None, metrics=None)

@@ -11,8 +11,9 @@ offline audit's checks (``checks.check_restore``, ``block_table_findings``,
 At the first violation of a request: one line on the ``statediff`` logger and one JSON
 line appended to the incident file (``incident``: request id, step, position, layer,
 kind, what differed, the expected digest and who wrote it, the got digest, the
-diagnosis, and the request's prompt token ids unless ``STATEDIFF_LIVE_AUDIT_PROMPTS=0``),
-enough to replay the request with ``statediff record ... --focus``.
+diagnosis, and the request's prompt as a digest and a length: ``prompt_digest``; its token ids
+only with ``STATEDIFF_LIVE_AUDIT_PROMPTS=1``, an operator's choice, since they are users' data),
+enough to find the request in a replay and rerun it with ``statediff record ... --focus``.
 
 Memory bound: the ledger keeps one write per (layer, kind, physical block), replaced when
 the block is written again (a block freed and reused for another prefix is overwritten
@@ -29,7 +30,7 @@ import hashlib
 import json
 import logging
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,11 @@ from .checks import (Context, block_table_findings, check_restore, expected_writ
 from .ledger import WRITE_ROLES, Ledger, Rec, rec_from_summary
 from .result import Finding
 
-__all__ = ["LIVE_ENV", "PROMPTS_ENV", "LiveAuditor", "LiveConfig", "LiveLedger", "MAX_INCIDENTS"]
+__all__ = ["LIVE_ENV", "PROMPTS_ENV", "LiveAuditor", "LiveConfig", "LiveLedger", "MAX_INCIDENTS", "prompt_digest"]
 
 #: The incident file (JSONL, appended to); setting it turns the live audit on.
 LIVE_ENV = "STATEDIFF_LIVE_AUDIT"
-#: "0": incidents leave out the request's prompt token ids (default "1": included).
+#: "1": incidents carry the request's prompt token ids (default "0": its digest and length only).
 PROMPTS_ENV = "STATEDIFF_LIVE_AUDIT_PROMPTS"
 #: Incidents written per engine process; later ones are counted and logged once.
 MAX_INCIDENTS = 1000
@@ -61,11 +62,11 @@ class LiveConfig:
 
     Attributes:
         incidents: path of the JSONL incident file (appended to; created at the first incident).
-        prompts: incidents carry the request's prompt token ids.
+        prompts: incidents carry the request's prompt token ids (else ``prompt_digest`` and the length).
     """
 
     incidents: str
-    prompts: bool = True
+    prompts: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "LiveConfig | None":
@@ -79,13 +80,14 @@ class LiveConfig:
         """
         env = os.environ if env is None else env
         path = env.get(LIVE_ENV) or ""
-        prompts = env.get(PROMPTS_ENV, "1")
+        prompts = env.get(PROMPTS_ENV, "0")
         if not path:
             if env.get(PROMPTS_ENV):
                 raise ValueError(f"{PROMPTS_ENV} is set but {LIVE_ENV} is not (name the incident file)")
             return None
         if prompts not in ("0", "1"):
-            raise ValueError(f"{PROMPTS_ENV}={prompts!r}: expected 0 (leave prompts out) or 1")
+            raise ValueError(f"{PROMPTS_ENV}={prompts!r}: expected 1 (incidents carry the prompt token ids) or 0 "
+                             "(the default: a digest of the prompt and its length)")
         if env.get("STATEDIFF_TRACE"):
             raise ValueError(f"{LIVE_ENV} and STATEDIFF_TRACE are both set: audit live or record a trace, not both")
         p = Path(path)
@@ -99,6 +101,19 @@ class LiveConfig:
         if not os.access(p if p.exists() else parent, os.W_OK):
             raise ValueError(f"{LIVE_ENV}={path}: cannot be written (permissions)")
         return cls(incidents=path, prompts=prompts == "1")
+
+
+def prompt_digest(token_ids: Any) -> str:
+    """The digest an incident gives of a prompt (field ``prompt.digest``): BLAKE2b, 16 bytes, hex,
+    of the token ids as little-endian int64, nothing else (no cache_salt). The same ids give the same
+    digest in any process, so a replay's request is found by computing it over each prompt.
+
+    Args:
+        token_ids: a sequence of ints (any integer dtype).
+    Returns:
+        32 lowercase hex characters.
+    """
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=16).hexdigest()
 
 
 class LiveLedger(Ledger):
@@ -176,6 +191,11 @@ class LiveAuditor:
         self.ctx = LiveContext(self.run, self)
         self.stats = {"restores_checked": 0, "not_checkable": 0, "fields_checked": 0, "incidents": 0,
                       "incidents_dropped": 0}
+        # by label, for the engine's metrics (statediff_hooks.vllm.metrics): check -> restores or
+        # request fields checked / not checkable; (check, kind) -> violations reported (one per request)
+        self.checked: Counter[str] = Counter()
+        self.not_checkable: Counter[str] = Counter()
+        self.violations: Counter[tuple[str, str]] = Counter()
 
     # -- the TraceWriter surface the Recorder uses ------------------------------
 
@@ -259,6 +279,7 @@ class LiveAuditor:
                 continue
             found, why = check_restore(self.ctx, r)
             self.stats["not_checkable" if why else "restores_checked"] += 1
+            (self.not_checkable if why else self.checked)["state" if r.is_state else "kv"] += 1
             if found is not None:
                 self._report(found, r)
         for idx in sorted(self._touched):
@@ -281,17 +302,20 @@ class LiveAuditor:
                 got, n = block_table_findings(self.ctx, {idx: hit_step.get(idx, -1)})
                 found += got
                 self.stats["fields_checked"] += n
+                self.checked["block_table"] += n
             if "first_chunk" in rec and "first_chunk" not in done:
                 done.add("first_chunk")
                 hits = {idx} if (rec.get("num_cached_tokens") or 0) > 0 else set()
                 got, n = first_chunk_findings(self.ctx, self._initial.pop(idx, []), hits)
                 found += got
                 self.stats["fields_checked"] += n
+                self.checked["first_chunk"] += n
             if "group_hit_tokens" in rec and "group_hit" not in done:
                 done.add("group_hit")
                 got, n = group_hit_findings(self.ctx, self.run)
                 found += got
                 self.stats["fields_checked"] += n
+                self.checked["group_hit"] += n
         finally:
             self.ctx.requests = all_requests
         if found:
@@ -349,12 +373,15 @@ class LiveAuditor:
             out["expected"] = None if w is None else {
                 "digest": w.digest, "request_id": w.origin, "step": w.step, "block": w.block,
                 "position": w.position, "token_start": w.token_start}
+        prompt = rec["prompt_token_ids"]
+        out["prompt"] = {"digest": prompt_digest(prompt), "tokens": len(prompt)}
         if self.config.prompts:
-            out["prompt_token_ids"] = rec["prompt_token_ids"]
+            out["prompt_token_ids"] = prompt
         return out
 
     def _report(self, f: Finding, r: Rec | None) -> None:
         self._reported.add(f.request)
+        self.violations[(f.check, f.kind)] += 1
         inc = self.incident(f, r)
         where = f"request {inc['request_id']} step {f.step} position {f.position} layer {f.layer} {f.kind}"
         line = f"live audit: {where}: {f.what}" + (f"; {f.diagnosis}" if f.diagnosis else "")

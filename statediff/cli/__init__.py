@@ -28,6 +28,7 @@ from . import plugins
 from .audit import audit_cmd
 from .calibrate import calibrate_cmd
 from .compare import compare_cmd
+from .doctor import doctor_cmd
 from .extract import extract_cmd
 from .inspect import inspect_cmd
 from .recover import recover_cmd
@@ -135,7 +136,8 @@ def cli() -> None:
     """
 
 
-for _cmd in (audit_cmd, compare_cmd, calibrate_cmd, inspect_cmd, recover_cmd, extract_cmd, report_cmd, verify_cmd):
+for _cmd in (audit_cmd, compare_cmd, calibrate_cmd, doctor_cmd, inspect_cmd, recover_cmd, extract_cmd, report_cmd,
+             verify_cmd):
     cli.add_command(_cmd)
 
 

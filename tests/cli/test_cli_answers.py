@@ -62,10 +62,11 @@ def test_every_command_says_what_it_does():
     r = run("--help")
     assert r.exit_code == 0
     lines = [line.rstrip() for line in r.stdout.splitlines()]
-    assert lines[lines.index("Commands:") + 1:lines.index("Commands:") + 9] == [
+    assert lines[lines.index("Commands:") + 1:lines.index("Commands:") + 10] == [
         "  audit      Check one run's restores against what it saved.",
         "  calibrate  Learn the noise floor of two cold runs (NOISE.json).",
         "  compare    Name the first divergent tensor of HIT vs COLD.",
+        "  doctor     Known engine bugs a vLLM configuration meets (no engine started).",
         "  extract    Write the smallest bundle (.zip) that shows the root.",
         "  inspect    Show what a trace (or bundle) holds: run, requests, tensors, sizes.",
         "  recover    Make one trace file of an interrupted recording.",

@@ -6,7 +6,9 @@ each a request that fills a 400-token prefix then 4 concurrent requests extendin
 hits 384 tokens: 3 blocks). Round 1 is fault-free: no incident. Round 2's prefix is another;
 ``conv-zero:request=6`` zeroes the restored conv state of the first of its concurrent requests
 the engine schedules (index 6: requests are numbered in order of first scheduling), and the
-live audit writes exactly one incident for it.
+live audit writes exactly one incident for it. After each round the server's ``/metrics`` is
+scraped: statediff's counters are there (``hooks/vllm/metrics.py``: the engine core's process
+writes them, the front end serves them), and the planted fault is one violation.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from statediff.audit.live import prompt_digest
 
 from conftest import ENGINE_ENV, require_engine
 from serve_helper import Server, shared_prefix_prompts
@@ -23,7 +28,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory):
-    """(incident file, [(round, prompts, responses, incidents after the round)])."""
+    """(incident file, [(round, prompts, responses, incidents after the round, /metrics samples after it)], log)."""
     require_engine()
     root = tmp_path_factory.mktemp("live")
     inc = root / "incidents.jsonl"
@@ -40,28 +45,63 @@ def served(tiny_model, tmp_path_factory):
             server.complete(prefix + [7, 8, 9])
             out = server.concurrent(prompts)
             lines = inc.read_text().splitlines() if inc.exists() else []
-            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines]))
+            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], scrape(server.metrics())))
         log = server.tail(200_000)
     finally:
         server.stop()
     return inc, rounds, log
 
 
+def scrape(text: str) -> dict[tuple, float]:
+    """statediff's samples of a /metrics text: {(name, sorted labels): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("statediff:")}
+
+
 def test_fault_free_concurrent_hits_write_no_incident(served):
     _, rounds, _ = served
-    rnd, prompts, out, incidents = rounds[0]
+    rnd, prompts, out, incidents, _ = rounds[0]
     assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out] == [384] * 4
     assert incidents == []
 
 
+def test_metrics_on_vllms_endpoint_count_checks_and_the_one_violation(served):
+    _, rounds, log = served
+    assert "known engine bug" not in log  # no drafter: no known-bug entry applies (startup.py)
+    first, second = rounds[0][4], rounds[1][4]
+    assert not [k for k in first if k[0] == "statediff:restore_violations_total"]  # fault-free round
+
+    def checked(m: dict, check: str) -> float:
+        return m[("statediff:restores_checked_total", (("check", check), ("rank", "0")))]
+    # round 1: 4 hits of 384 tokens: each restores 3 GDN layers x (conv, SSM) = 6 states and the attention
+    # layer's K and V of 3 blocks = 6 K/V blocks, and has 4 block-table rows (one per KV-cache group); the
+    # first chunks of all 5 requests x 3 GDN layers. Group hits are read in the scheduler, in the engine
+    # core's process, which the worker's audit does not see: 0.
+    assert {c: checked(first, c) for c in ("state", "kv", "block_table", "first_chunk", "group_hit")} == {
+        "state": 24, "kv": 24, "block_table": 16, "first_chunk": 15, "group_hit": 0}
+    # round 2: 3 clean hits as above; the faulty one is reported at its first restore in key order (K/V at
+    # 128 and 256, then the conv state at 384) and nothing of it after: +19 states, +22 K/V blocks, +12, +12
+    assert {c: checked(second, c) for c in ("state", "kv", "block_table", "first_chunk")} == {
+        "state": 43, "kv": 46, "block_table": 28, "first_chunk": 27}
+    assert [(k, v) for k, v in second.items() if k[0] == "statediff:restore_violations_total"] == [
+        (("statediff:restore_violations_total", (("check", "state"), ("kind", "gdn.conv_state"), ("rank", "0"))), 1)]
+    assert second[("statediff:restores_not_checkable_total", (("check", "state"), ("rank", "0")))] == 0
+    steps = second[("statediff:audit_seconds_count", (("rank", "0"),))]
+    assert steps > first[("statediff:audit_seconds_count", (("rank", "0"),))] > 0
+    assert second[("statediff:audit_seconds_bucket", (("le", "+Inf"), ("rank", "0")))] == steps
+
+
 def test_planted_fault_writes_one_incident_with_real_values(served):
     inc, rounds, log = served
-    _, prompts, out, incidents = rounds[1]
+    _, prompts, out, incidents, _ = rounds[1]
     assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out] == [384] * 4
     assert len(incidents) == 1
     got = incidents[0]
-    # which concurrent request the engine scheduled first: the one whose prompt the incident carries
-    k = prompts.index(got["prompt_token_ids"])
+    # which concurrent request the engine scheduled first: the one whose prompt digest the incident
+    # carries (no token ids by default: STATEDIFF_LIVE_AUDIT_PROMPTS unset)
+    assert "prompt_token_ids" not in got
+    k = [prompt_digest(p) for p in prompts].index(got["prompt"]["digest"])
+    assert got["prompt"]["tokens"] == len(prompts[k]) == 440
     assert got["request_id"].startswith(out[k]["id"] + "-")
     assert (got["check"], got["position"], got["layer"], got["kind"]) == ("state", 384, 0, "gdn.conv_state")
     assert got["diagnosis"] == "all zeros: the restored value was never written, or was zeroed"
