@@ -138,3 +138,17 @@ def test_doctor_bad_input_is_one_line_exit_2(tmp_path, args, error):
     p = subprocess.run([sys.executable, "-m", "statediff", "doctor", *full, "--vllm-version", "0.32.0"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith(error) and p.stderr.count("\n") == 1 and p.stdout == ""
+
+
+def test_doctor_without_an_installed_vllm_or_a_version_gives_no_all_clear(tmp_path, monkeypatch):
+    # a laptop install (no vLLM): an unknown version matches no range, so "no match" would be a false all-clear
+    import statediff.enginebugs.doctor as doctor_facts
+
+    monkeypatch.setattr(doctor_facts, "installed_vllm", lambda: (None, None))
+    r = doctor("--model", str(model(tmp_path, HYBRID)), "--speculative-config", NGRAM)
+    assert (r.return_value, r.stdout) == (2, "")
+    assert r.stderr == ("statediff: error: no vLLM is installed here to read its version and platform from: pass "
+                        "--vllm-version X.Y.Z and --platform cpu|cuda|rocm for the deployment you ask about\n")
+    r = doctor("--model", str(model(tmp_path, HYBRID, "h2")), "--speculative-config", NGRAM,
+               "--vllm-version", "0.32.0", "--platform", "cpu")
+    assert (r.return_value, r.output) == (1, NGRAM_LINE + "\n")

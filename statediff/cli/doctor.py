@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from statediff.errors import StatediffError
+
 
 @click.command("doctor", short_help="Known engine bugs a vLLM configuration meets (no engine started).",
                context_settings={"ignore_unknown_options": False})
@@ -25,7 +27,8 @@ def doctor_cmd(model: Path, speculative_config: str | None, prefix_caching: bool
                verbose: bool) -> int:
     """Print the known engine bugs (statediff/enginebugs/known_bugs.toml) that serving M with these
     options meets: one line each, the line the vLLM plugin logs as a WARNING when such an engine
-    starts. Exit 0: none; 1: at least one; 2: error. Needs neither torch nor an engine.
+    starts. Exit 0: none; 1: at least one; 2: error (and where no vLLM is installed and --vllm-version or
+    --platform is not given: an unknown version matches no range, so no all-clear). Needs neither torch nor an engine.
     """
     from statediff.enginebugs import matches
     from statediff.enginebugs.doctor import facts_for
@@ -33,6 +36,9 @@ def doctor_cmd(model: Path, speculative_config: str | None, prefix_caching: bool
     facts, notes = facts_for(model, speculative_config=speculative_config, prefix_caching=prefix_caching,
                              quantization=quantization, dtype=dtype, model_runner=model_runner,
                              vllm_version=vllm_version, platform=platform)
+    if not facts.vllm or not facts.platform:  # a version range cannot match an unknown version: no all-clear
+        raise StatediffError("no vLLM is installed here to read its version and platform from: pass "
+                             "--vllm-version X.Y.Z and --platform cpu|cuda|rocm for the deployment you ask about")
     found = matches(facts)
     if verbose:
         for note in notes:
