@@ -52,7 +52,9 @@ removes the base's): ``model``, ``conversation``, ``replay``,
 (list of ``compare --tol`` rules), ``noise`` (a noise file) and ``python``
 (the interpreter, or a venv directory, that records the variant: another
 installed engine version, e.g. ``python = "/work/venvs/vllm-0.29"``; default
-the one running ``ablate``). Relative paths (the conversation, the model, a
+the one running ``ablate``), ``env`` (environment variables the variant's
+recordings run with, string values; merged key by key like ``engine_args``:
+``env = { VLLM_USE_V2_MODEL_RUNNER = "1" }`` records on Model Runner V2). Relative paths (the conversation, the model, a
 ``speculative_config`` drafter ``model``) are relative to the matrix file.
 
 Engine version as an axis: variants that differ only in ``python`` give one
@@ -130,6 +132,7 @@ SETTINGS: dict[str, tuple[type, ...]] = {
     "max_model_len": (int,), "max_num_batched_tokens": (int,), "kv": (str,), "engine_args": (dict,),
     "speculative_config": (dict, bool), "fault": (str,), "forced_miss": (bool,), "sweep_blocks": (int,),
     "record_args": (list,), "tol": (list,), "noise": (str,), "python": (str,), "format": (str,),
+    "env": (dict,),
 }
 #: ``format`` values and, per built-in tiny model that has them, the model of each format.
 FORMATS = ("bf16", "fp8", "nvfp4")
@@ -186,6 +189,8 @@ def _check_settings(path: Path, where: str, d: dict, *, variant: bool) -> None:
         raise _bad(path, f"{where}: replay = {d['replay']!r}, expected one of {', '.join(REPLAYS)}")
     if d.get("speculative_config") is True:
         raise _bad(path, f"{where}: speculative_config = true: give a table, or false to remove it")
+    if "env" in d and not all(isinstance(x, str) for x in d["env"].values()):
+        raise _bad(path, f"{where}: env values must be strings")
     for key in ("record_args", "tol"):
         if key in d and not all(isinstance(x, str) for x in d[key]):
             raise _bad(path, f"{where}: {key} must be an array of strings")
@@ -200,7 +205,7 @@ def _merge(base: dict, over: dict) -> dict:
     for k, v in over.items():
         if k in VARIANT_KEYS:
             continue
-        if k == "engine_args":
+        if k in ("engine_args", "env"):
             out[k] = dict(base.get(k) or {}) | v
         elif k == "speculative_config" and v is False:
             out.pop(k, None)
@@ -568,12 +573,13 @@ def _error_line(stderr: str) -> str:
     return lines[-1][:300] if lines else "no error message"
 
 
-def _record(argv: list[str], timeout: float, python: str | None = None) -> str | None:
-    """Run ``statediff`` with ``argv`` under ``python`` (default: this interpreter); None on success,
-    else its one-line error."""
+def _record(argv: list[str], timeout: float, python: str | None = None, env: dict | None = None) -> str | None:
+    """Run ``statediff`` with ``argv`` under ``python`` (default: this interpreter), with ``env`` added
+    to the environment; None on success, else its one-line error."""
     cmd = [python or sys.executable, "-m", "statediff", *argv]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env=os.environ | env if env else None)
     except subprocess.TimeoutExpired:
         return f"statediff record timed out after {timeout:g} s"
     return None if r.returncode == 0 else _error_line(r.stderr)
@@ -609,7 +615,9 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
     for mode in ("hit", "cold"):
         out = paths[mode]
         python = v.settings.get("python")
-        key = (python or sys.executable, *variant_argv(v.settings, mode, Path("OUT"), root, hit_trace=paths["hit"]))
+        env = v.settings.get("env") or {}
+        key = (python or sys.executable, *sorted(env.items()),
+               *variant_argv(v.settings, mode, Path("OUT"), root, hit_trace=paths["hit"]))
         earlier = None if reuse is None else reuse.get(key)
         if earlier is not None and earlier != paths["hit"]:  # never both sides from one recording
             say(f"[{index}] {v.name}: the {mode} run reuses {earlier.name} (same record arguments)")
@@ -617,7 +625,7 @@ def run_variant(v: Variant, index: int, work: Path, root: Path, *, timeout: floa
             continue
         forced = " (forced miss: recorded cold)" if v.settings.get("forced_miss") and mode == "hit" else ""
         say(f"[{index}] {v.name}: recording the {mode} run{forced}")
-        err = _record(variant_argv(v.settings, mode, out, root, hit_trace=paths["hit"]), timeout, python)
+        err = _record(variant_argv(v.settings, mode, out, root, hit_trace=paths["hit"]), timeout, python, env)
         if err is not None:
             row.error = f"{mode} run: {err}"
             row.seconds = time.perf_counter() - t0

@@ -435,3 +435,33 @@ def test_a_bad_axis_is_one_line_exit_2(tmp_path, axis, message):
     r = CliRunner().invoke(cli, ["ablate", str(write(tmp_path, axis))])
     assert r.exit_code == 2
     assert r.stderr.startswith(f"statediff: error: {tmp_path / 'm.toml'}: {message}")
+
+
+def test_env_is_merged_key_by_key_and_reaches_each_recording_with_its_own_reuse_key(tmp_path, monkeypatch):
+    from statediff_hooks.drivers import ablate
+
+    m = load_matrix(write(tmp_path, '[base]\nmodel = "tiny"\nenv = { A = "1" }\n'
+                                    '[[variant]]\nname = "v1"\nenv = { VLLM_USE_V2_MODEL_RUNNER = "0" }\n'
+                                    '[[variant]]\nname = "v2"\nenv = { VLLM_USE_V2_MODEL_RUNNER = "1" }\n'))
+    assert [v.settings["env"] for v in m.variants] == [{"A": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+                                                       {"A": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}]
+    assert m.variants[1].changes == 'env={"VLLM_USE_V2_MODEL_RUNNER":"1"}'
+    calls: list[tuple[str, dict]] = []
+
+    def fake(argv, timeout, python=None, env=None):
+        calls.append((argv[argv.index("--mode") + 1], env))
+        return "stop" if len(calls) % 2 == 0 else None  # the cold run fails: nothing is compared
+
+    monkeypatch.setattr(ablate, "_record", fake)
+    reuse: dict = {}
+    rows = [ablate.run_variant(v, i, tmp_path, tmp_path, reuse=reuse) for i, v in enumerate(m.variants, 1)]
+    assert [r.error for r in rows] == ["cold run: stop"] * 2
+    # the V2 variant's hit run does not reuse the V1 one's (same record arguments, another environment)
+    assert calls == [("hit", m.variants[0].settings["env"]), ("cold", m.variants[0].settings["env"]),
+                     ("hit", m.variants[1].settings["env"]), ("cold", m.variants[1].settings["env"])]
+
+
+def test_an_env_value_that_is_not_a_string_is_refused(tmp_path):
+    p = write(tmp_path, '[[variant]]\nname = "a"\nenv = { VLLM_USE_V2_MODEL_RUNNER = 1 }\n')
+    r = CliRunner().invoke(cli, ["ablate", str(p)])
+    assert r.exit_code == 2 and "variant 1 ('a'): env values must be strings" in r.stderr, r.output

@@ -27,6 +27,11 @@ where V2 hands them over. It mirrors, in vLLM 0.32.0:
 
 Not read on V2: the rows the drafter model receives inside the speculator
 (V1's ``proposer`` role; run field ``drafter.model_input`` null, with why).
+
+Run field ``drafter.speculator``: the class of the speculator whose ``propose``
+ran (``spec_decode/__init__.py`` ``init_speculator`` picks it: e.g.
+``DFlash2Speculator`` for architecture ``DFlash2DraftModel`` under method
+``dflash``, ``DSparkSpeculator`` for method ``dspark``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class V2SpecCapture(SpecCapture):
         Raises:
             RuntimeError: the batch layout does not match the scheduler output.
         """
+        if "speculator" not in self._drafter_run:  # the first call names the class that drafts
+            self.rec.set_run(drafter=self.run_drafter(speculator=type(args["self"]).__name__))
         num_sampled = [int(n) for n in args["num_sampled"].to("cpu").tolist()]
         call = surface.DrafterCall(self.cap.scheduler_output, [[0] * n for n in num_sampled],
                                    args["last_hidden_states"], args.get("aux_hidden_states"))
