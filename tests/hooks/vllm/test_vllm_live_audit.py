@@ -14,6 +14,7 @@ writes them, the front end serves them), and the planted fault is one violation.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,11 +46,26 @@ def served(tiny_model, tmp_path_factory):
             server.complete(prefix + [7, 8, 9])
             out = server.concurrent(prompts)
             lines = inc.read_text().splitlines() if inc.exists() else []
-            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], scrape(server.metrics())))
+            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], settled_metrics(server)))
         log = server.tail(200_000)
     finally:
         server.stop()
     return inc, rounds, log
+
+
+def settled_metrics(server: Server, timeout: float = 60.0) -> dict[tuple, float]:
+    """statediff's /metrics samples once two scrapes a second apart agree and hold a count: the
+    worker's audit of a round's last step can still be under way when its responses are back (seen
+    once on a loaded 2-core machine: no statediff sample yet)."""
+    deadline = time.monotonic() + timeout
+    last = scrape(server.metrics())
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = scrape(server.metrics())
+        if now == last and any(k[0] == "statediff:restores_checked_total" for k in now):
+            return now
+        last = now
+    return last
 
 
 def scrape(text: str) -> dict[tuple, float]:
