@@ -22,6 +22,8 @@ from statediff.errors import StatediffError
 from statediff.replay.hits import HitLedger, account_run
 from statediff_hooks.cli import surface as surface_cli
 from statediff_hooks.vllm import plugin, replay, surface
+
+from plugin_fixtures import no_patching  # noqa: F401 - a fixture
 from statediff_hooks.vllm import surface_check as sc
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -244,19 +246,6 @@ def test_vllm_033_runs_with_its_reviewed_row_only_where_its_points_match_the_rev
     assert surface.REVIEWED_VERSIONS == ("0.33.0",) and "0.33.0" not in surface.VERIFIED_VERSIONS
 
 
-@pytest.fixture
-def no_patching(monkeypatch):
-    patched: list = []
-    monkeypatch.setattr(plugin, "_patch", lambda point, factory: patched.append(point))
-    monkeypatch.setattr(plugin, "_register_scheduler", lambda: None)
-    monkeypatch.setattr(plugin, "_originals", [])
-    monkeypatch.setattr(plugin, "_adapter", [])
-    monkeypatch.setattr(plugin, "_note_uncaught_exceptions", lambda: None)
-    saved = {k: v for k, v in os.environ.items() if k.startswith("STATEDIFF_")}
-    yield patched
-    for k in [k for k in os.environ if k.startswith("STATEDIFF_")]:
-        del os.environ[k]
-    os.environ.update(saved)
 
 
 def test_a_vllm_without_model_runner_v1_is_refused_in_one_line_even_with_the_override(

@@ -12,6 +12,8 @@ import pytest
 from statediff.errors import StatediffError
 from statediff_hooks.vllm import plugin, replay, surface
 
+from plugin_fixtures import no_patching  # noqa: F401 - a fixture
+
 REFUSAL_033 = ("vLLM 0.33.0 is not verified by statediff (verified: 0.29.0, 0.30.0, 0.31.0, 0.32.0); install one "
                "of those, or set STATEDIFF_ALLOW_UNVERIFIED=1 to record with the 0.32.0 adapter (the trace is then "
                "marked 'adapter: unverified')")
@@ -82,20 +84,6 @@ def test_the_eagle_drop_is_read_through_the_versions_switch():
     assert surface.eagle_block_drop(None, v032) is None
 
 
-@pytest.fixture
-def no_patching(monkeypatch):
-    """plugin.register without touching vLLM: the patch points it would wrap are listed instead."""
-    patched: list = []
-    monkeypatch.setattr(plugin, "_patch", lambda point, factory: patched.append(point))
-    monkeypatch.setattr(plugin, "_register_scheduler", lambda: None)
-    monkeypatch.setattr(plugin, "_originals", [])
-    monkeypatch.setattr(plugin, "_adapter", [])
-    monkeypatch.setattr(plugin, "_note_uncaught_exceptions", lambda: None)
-    saved = {k: v for k, v in os.environ.items() if k.startswith("STATEDIFF_")}
-    yield patched
-    for k in [k for k in os.environ if k.startswith("STATEDIFF_")]:
-        del os.environ[k]
-    os.environ.update(saved)
 
 
 def test_install_capture_refuses_an_unknown_version_before_anything_is_patched(monkeypatch, no_patching, tmp_path):

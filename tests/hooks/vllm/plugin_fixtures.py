@@ -1,0 +1,25 @@
+"""Fixtures shared by the tests that call ``plugin.register`` without an engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from statediff_hooks.vllm import plugin
+
+
+@pytest.fixture
+def no_patching(monkeypatch):
+    """plugin.register without touching vLLM: the patch points it would wrap are listed instead."""
+    patched: list = []
+    monkeypatch.setattr(plugin, "_patch", lambda point, factory: patched.append(point))
+    monkeypatch.setattr(plugin, "_register_scheduler", lambda: None)
+    monkeypatch.setattr(plugin, "_originals", [])
+    monkeypatch.setattr(plugin, "_adapter", [])
+    monkeypatch.setattr(plugin, "_note_uncaught_exceptions", lambda: None)
+    saved = {k: v for k, v in os.environ.items() if k.startswith("STATEDIFF_")}
+    yield patched
+    for k in [k for k in os.environ if k.startswith("STATEDIFF_")]:
+        del os.environ[k]
+    os.environ.update(saved)
