@@ -170,6 +170,18 @@ PIN = ("--mamba-ssm-cache-dtype", "float32")
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves ``os.environ`` as it found it. The plugin sets variables for the engine
+    processes it starts (``STATEDIFF_METRICS_DIR``, ``metrics.serve``); left behind, a later
+    test's ``vllm serve`` inherited one naming a directory already removed (CI, 2026-12-07)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _default_denormals(request):
     """Offline tests run with the default floating-point state. Engine-side code run in this
     process earlier (the transformers adapter, the tiny model builder) calls

@@ -73,7 +73,10 @@ def serve() -> str:
     With ``PROMETHEUS_MULTIPROC_DIR`` set, nothing to do: vLLM's registry reads that directory.
     Otherwise use ``STATEDIFF_METRICS_DIR`` (creating a temporary directory, removed at exit,
     when unset: this is the first process, the front end) and register a
-    ``MultiProcessCollector`` over it on prometheus_client's global ``REGISTRY``.
+    ``MultiProcessCollector`` over it on prometheus_client's global ``REGISTRY``. A
+    ``STATEDIFF_METRICS_DIR`` that names no directory is created (it may be inherited from a
+    parent whose temporary directory is gone; prometheus_client's collector refuses a missing
+    one, and every process of this server must agree on the path, so it is not replaced).
 
     Returns:
         the directory.
@@ -87,6 +90,7 @@ def serve() -> str:
         _served.append(tmp)  # removed when this process exits (its children exit first)
         os.environ[DIR_ENV] = tmp.name
     path = os.environ[DIR_ENV]
+    os.makedirs(path, exist_ok=True)
     if not any(isinstance(x, tuple) and x[0] == path for x in _served):
         from prometheus_client import REGISTRY
         from prometheus_client.multiprocess import MultiProcessCollector

@@ -108,3 +108,21 @@ def test_no_directory_is_one_clear_error(tmp_path, fresh_env):
     with pytest.raises(ValueError, match="^no metrics directory: neither PROMETHEUS_MULTIPROC_DIR nor "
                                          "STATEDIFF_METRICS_DIR is set$"):
         metrics.AuditMetrics(recorder(tmp_path))
+
+
+def test_an_inherited_directory_that_is_gone_is_created_and_served(tmp_path, fresh_env, monkeypatch):
+    """A parent's temporary directory removed before this server started (seen in CI: every /metrics
+    scrape without a statediff sample): created again, at the path every process of the server shares."""
+    gone = tmp_path / "gone"
+    monkeypatch.setenv(metrics.DIR_ENV, str(gone))
+    assert metrics.serve() == str(gone) and gone.is_dir()
+    rec = recorder(tmp_path)
+    m = metrics.AuditMetrics(rec, rank=0)
+    rec.auditor.checked["kv"] += 3
+    rec.step = 1
+    m.spent(0.0)
+    got = samples(generate_latest(REGISTRY).decode())
+    assert got[("statediff:restores_checked_total", (("check", "kv"), ("rank", "0")))] == 3
+    assert sorted(p.name for p in gone.iterdir()) == [f"counter_statediff{os.getpid()}.db",
+                                                      f"histogram_statediff{os.getpid()}.db"]
+    m.close()
