@@ -10,7 +10,10 @@ from click.testing import CliRunner
 
 from statediff.cli import cli
 from statediff.diff.compare import compare
-from statediff.trace.acceptance import RequestAcceptance, acceptance_findings, per_request, within_run_findings
+import pytest
+
+from statediff.trace.acceptance import (RequestAcceptance, acceptance_findings, fall_p_value, per_request,
+                                      within_run_findings)
 
 from synth import write_trace
 
@@ -42,7 +45,7 @@ def test_a_hit_request_whose_acceptance_collapses_is_named_against_its_cold_twin
 
 def test_small_or_noisy_drops_and_too_few_drafts_are_not_findings():
     cold = {1: _req(0, _acc(6, 18, 13))}
-    assert acceptance_findings({1: _req(96, _acc(7, 21, 11))}, cold) == ()  # 72% -> 52%: under MIN_DROP
+    assert acceptance_findings({1: _req(96, _acc(7, 21, 11))}, cold) == ()  # 72% -> 52%: p 0.17, chance explains it
     assert acceptance_findings({1: _req(96, _acc(1, 3, 0))}, cold) == ()  # 3 drafted: too few to judge
     assert acceptance_findings({1: _req(0, _acc(16, 48, 0))}, cold) == ()  # no hit: not this finding
 
@@ -63,3 +66,29 @@ def test_compare_says_diverged_on_acceptance_alone(tmp_path):
     res = CliRunner().invoke(cli, ["compare", str(hit), str(cold), "--json"])
     doc = json.loads(res.stdout)
     assert (res.exit_code, doc["cause"], doc["acceptance"][0]["hit"]["accepted"]) == (1, "acceptance", 1)
+
+
+def test_a_collapse_to_nothing_from_a_low_rate_is_a_finding():
+    """Request 1 of the DFlash pair measured in issue 34: 0 of 33 against its cold twin's 4 of 21 (19 points
+    absolute, under the former 25-point threshold; p 0.019). 2 of 33 against 4 of 21 is within chance."""
+    cold = {1: _req(0, _acc(7, 21, 4))}
+    (f,) = acceptance_findings({1: _req(96, _acc(11, 33, 0))}, cold)
+    assert f.hit.mean_length == 1.0 and f.against == "its cold twin"
+    assert acceptance_findings({1: _req(96, _acc(11, 33, 2))}, cold) == ()
+
+
+@pytest.mark.parametrize("hit, base, p", [
+    ((11, 33, 0), (7, 21, 4), 5985 / 316251),  # C(21,4) / C(54,4): all 4 acceptances on the cold side
+    ((7, 21, 11), (6, 18, 13), 0.17400),
+    ((16, 48, 48), (6, 18, 0), 1.0),  # a rise: nothing fell
+    ((0, 0, 0), (6, 18, 13), 1.0),  # no drafts on one side
+])
+def test_fall_p_value_is_fishers_exact_one_sided(hit, base, p):
+    assert fall_p_value(RequestAcceptance(*hit), RequestAcceptance(*base)) == pytest.approx(p, abs=5e-6)
+
+
+def test_fall_p_value_of_long_runs_stays_finite():
+    # 40,000 drafted tokens a side: binomial coefficients far beyond a float's range
+    got = fall_p_value(RequestAcceptance(10_000, 40_000, 19_000), RequestAcceptance(10_000, 40_000, 20_000))
+    assert 0 < got < 1e-10
+    assert fall_p_value(RequestAcceptance(10_000, 40_000, 20_000), RequestAcceptance(10_000, 40_000, 20_000)) > 0.5

@@ -110,9 +110,10 @@ def test_drafter_kv_zero_on_v2_is_named_as_the_drafters_kv_and_acceptance_collap
     assert (first["request"], first["position"], first["layer"], first["drafter_layer"], first["kind"],
             first["module"]) == (1, BLOCK, DRAFTER_LAYER, 0, "attn.k", MODULE)
     assert all(row["outputs_equal"] for row in rep["requests"])
-    (a,) = rep["acceptance"]
-    assert (a["request"], a["hit_tokens"], a["hit"]["accepted"], a["hit"]["drafted"], a["baseline"]["accepted"],
-            a["hit"]["mean_acceptance_length"]) == (2, 192, 0, 33, 7, 1.0)
+    # both hit requests fall to 0 of 33: request 2 from 7 of 12, request 1 from 4 of 21 (p 0.019, trace/acceptance.py)
+    assert [(a["request"], a["hit_tokens"], a["hit"]["accepted"], a["hit"]["drafted"], a["baseline"]["accepted"],
+             a["baseline"]["drafted"], a["hit"]["mean_acceptance_length"]) for a in rep["acceptance"]] == [
+        (1, 96, 0, 33, 4, 21, 1.0), (2, 192, 0, 33, 7, 12, 1.0)]
     # audit of the fault run alone: the drafter layer's restored K read as zeros
     r = audit_trace(paths["fault"])
     f = r.first
