@@ -59,10 +59,11 @@ def load_tokenizer(model: str) -> Any:
 
     Raises:
         StatediffError: one line when transformers cannot load it.
+        ModuleNotFoundError: transformers is not installed (the CLI names the engine side to install).
     """
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # outside the try: a missing package is not a bad --model
 
+    try:
         return AutoTokenizer.from_pretrained(model)
     except Exception as e:  # noqa: BLE001 - tokenizer loading raises many types
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

