@@ -226,31 +226,6 @@ class TensorEntry(_Keyed):
             self.n_nan, self.n_inf,
         )
 
-    @classmethod
-    def from_row(cls, row: np.void) -> "TensorEntry":
-        ndim = int(row["ndim"])
-        return cls(
-            request=int(row["request"]),
-            position=int(row["position"]),
-            layer=int(row["layer"]),
-            kind=row["kind"].decode("ascii", "replace"),
-            role=row["role"].decode("ascii", "replace"),
-            module=row["module"].decode("utf-8", "replace"),
-            token_start=int(row["token_start"]),
-            step=int(row["step"]),
-            block=int(row["block"]),
-            dataset=row["dataset"].decode("ascii", "replace"),
-            dtype=row["dtype"].decode("ascii", "replace"),
-            shape=tuple(int(d) for d in row["shape"][: max(0, min(ndim, MAX_NDIM))]),
-            hash=row["hash"].decode("ascii", "replace"),
-            sum=float(row["sum"]),
-            sumsq=float(row["sumsq"]),
-            min=float(row["min"]),
-            max=float(row["max"]),
-            n_nan=int(row["n_nan"]),
-            n_inf=int(row["n_inf"]),
-        )
-
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"shape": list(self.shape)}
 
