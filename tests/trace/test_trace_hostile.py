@@ -494,7 +494,7 @@ def test_tables_shorter_than_the_run_field_keep_says_are_refused(tmp_path: Path)
 
 # -- the metadata tier and the files it found ----------------------------------------------------------
 
-FUZZ_SECONDS = float(os.environ.get("STATEDIFF_FUZZ_SECONDS", 90))
+FUZZ_SECONDS = float(os.environ.get("STATEDIFF_FUZZ_SECONDS", 30))  # per CI run; seeds differ run to run
 FOUND = REPO / "tests" / "hostile" / "found"
 FOUND_NAMES = sorted(p.name.removesuffix(".h5.gz") for p in FOUND.glob("*.h5.gz"))
 
