@@ -174,11 +174,14 @@ def _environment_restored():
     """Each test leaves ``os.environ`` as it found it. The plugin sets variables for the engine
     processes it starts (``STATEDIFF_METRICS_DIR``, ``metrics.serve``); left behind, a later
     test's ``vllm serve`` inherited one naming a directory already removed (CI, 2026-12-07)."""
-    saved = dict(os.environ)
+    # PYTEST_CURRENT_TEST is pytest's own, changed between setup and teardown: not ours to restore
+    saved = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    for k in [k for k in os.environ if k not in saved and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[k]
+    for k, v in saved.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,8 @@ def _req(hit, acc):
 
 
 def test_per_request_reads_vllms_counters_and_skips_requests_without_them():
-    got = per_request({0: _req(0, _acc(7, 21, 11)), 1: _req(96, None), 2: _req(0, {"mean_acceptance_length": 2})})
+    got = per_request({0: _req(0, _acc(7, 21, 11)), 1: _req(96, None), 2: _req(0, {"mean_acceptance_length": 2}),
+                       3: _req(0, _acc(2, 6, 10))})  # 3: more accepted than drafted, a broken record
     assert got == {0: RequestAcceptance(7, 21, 11)}
     assert got[0].text() == "11 of 21 drafted tokens accepted (52%), mean acceptance length 2.57"
 

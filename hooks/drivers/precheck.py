@@ -85,9 +85,9 @@ def check_model(model: str) -> ModelFiles:
 
 
 def _hub_model(model: str) -> ModelFiles:
-    try:
-        from transformers.utils import cached_file
+    from transformers.utils import cached_file  # outside the try: a missing package is not a bad --model
 
+    try:
         path = cached_file(model, "config.json")
     except Exception as e:  # noqa: BLE001 - hub errors come in many types; the first line says enough
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

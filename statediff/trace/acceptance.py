@@ -16,7 +16,11 @@ naming), and chance is an unlikely explanation: Fisher's exact test, one-sided, 
 moves a few drafts at near-ties (72% -> 52% over 21 drafted tokens: p 0.17, no finding); a context
 read from nothing moves most, and a fall to 0 of 33 from 4 of 21 (mean acceptance length 1.00, the
 signature of vLLM #47930) is p 0.019 although it is only 19 points absolute, which the former
-absolute threshold (25 points) missed (measured on this project's DFlash pair, issue 34).
+absolute threshold (25 points) missed (measured on this project's DFlash pair, issue 34). The test
+counts drafted tokens as independent, which they are not (a rejection ends its draft: the tokens
+after it are rejected with it), so p understates chance; it ranks evidence, ``MAX_RATIO`` and
+``MIN_DRAFTED`` bound the effect, and a finding is a place to look, not a proof (the captured
+tensors and the audit say why).
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def per_request(requests: Mapping[int, Mapping[str, Any]]) -> dict[int, RequestA
         if not isinstance(a, dict):
             continue
         vals = [a.get(k) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
-        if all(isinstance(v, int) and v >= 0 for v in vals):
+        if all(isinstance(v, int) and v >= 0 for v in vals) and vals[2] <= vals[1]:  # accepted <= drafted
             out[i] = RequestAcceptance(*vals)
     return out
 

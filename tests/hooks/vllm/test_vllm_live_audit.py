@@ -19,6 +19,7 @@ requests give the same counts, incident and log line on both.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -42,7 +43,7 @@ def served(request, tiny_model, tmp_path_factory):
     if request.param == "v2":
         from statediff_hooks.vllm.cpu.triton_interpreter import engine_env
 
-        env |= {"VLLM_USE_V2_MODEL_RUNNER": "1"} | engine_env(env)
+        env |= {"VLLM_USE_V2_MODEL_RUNNER": "1"} | engine_env(os.environ | env)  # the server's PYTHONPATH kept
     else:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # serve as deployed: the engine core in its own process

@@ -41,10 +41,12 @@ def _json(*args: str) -> tuple[int, dict]:
 
 
 def test_each_rank_records_its_shards_on_model_runner_v2(v2_tp):
-    for path, rank in ((v2_tp["hit"], 0), (v2_tp["hit"].with_name("hit.rank1.h5"), 1)):
+    for path, rank in [(v2_tp[n].with_name(v2_tp[n].stem + s), r) for n in v2_tp for s, r in ((".h5", 0),
+                                                                                            (".rank1.h5", 1))]:
         code, doc = _json("inspect", str(path))
+        assert code == 0, doc
         run = doc["run"]
-        assert code == 0 and run["model_runner"] == "v2"
+        assert run["model_runner"] == "v2", path
         assert (run["tensor_parallel"]["rank"], run["tensor_parallel"]["world_size"]) == (rank, 2)
         assert [p["name"] for p in run["engine_patches"]] == ["cpu-v2-triton-interpreter"]
         assert run["tensor_parallel"]["shards"]["gdn.ssm_state"] == {"axis": 0, "of": 4,
@@ -69,6 +71,7 @@ def test_a_fault_on_rank_1_is_named_as_on_v1(v2_tp):
         out["diagnosis"]["text"]
     # rank 1's trace alone: the audit reads the restored block through V2's block table
     code, audit = _json("audit", str(v2_tp["fault"].with_name("fault.rank1.h5")))
+    assert code == 1, audit
     f = audit["findings"][0]
-    assert code == 1 and (f["check"], f["request"], f["position"], f["layer"], f["kind"]) == (
+    assert (f["check"], f["request"], f["position"], f["layer"], f["kind"]) == (
         "kv", 1, 448, 3, "attn.k")
