@@ -526,17 +526,6 @@ def test_metadata_fuzz_cases_are_read_or_refused_in_one_line(capsys, tmp_path) -
                       f"{report.findings}")
 
 
-def _refusal(path: Path) -> TraceError | None:
-    """The one-line refusal of a found file: opening it, or reading its tensors (None: it read)."""
-    try:
-        with open_trace(path) as t:  # a file that opens after all must still fail on its data
-            for e in t.entries:
-                t.read(e)
-    except TraceError as e:
-        return e
-    return None
-
-
 def found_file(name: str, d: Path) -> Path:
     """The found file ``name`` (``tests/hostile/found/<name>.h5.gz``) unpacked into ``d``."""
     import gzip
@@ -553,20 +542,14 @@ def found_paths(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def found_refusals(found_paths) -> dict[str, TraceError | None]:
-    """Every found file opened at once (each in its own guarded child, a 2 s bound): such a file
-    never maps, so the bound only decides which line refuses it (libhdf5's own refusal, once fixed,
-    or the guard's), never whether it is refused; eight at a time, the hangs cost a bound per eight files."""
-    import concurrent.futures
+def found_refusals(found_paths) -> dict[str, tuple[str, bool, str] | None]:
+    """Every found file opened, eight at a time, each in its own guarded child with a 2 s bound
+    (``hostile.refusal``: in processes, not threads): such a file never maps, so the bound only decides
+    which line refuses it (libhdf5's own refusal, once fixed, or the guard's), never whether it is
+    refused; the hangs cost a bound per eight files."""
+    from hostile.refusal import refusals
 
-    from statediff.trace import guard
-
-    saved, guard.READ_SECONDS = guard.READ_SECONDS, 2.0
-    try:
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            return dict(zip(found_paths, pool.map(_refusal, found_paths.values())))
-    finally:
-        guard.READ_SECONDS = saved
+    return dict(zip(found_paths, refusals(list(found_paths.values()), 2.0)))
 
 
 @pytest.mark.parametrize("name", FOUND_NAMES)
@@ -577,9 +560,12 @@ def test_found_files_are_refused_in_one_line(name: str, found_refusals, found_pa
     note = json.loads((FOUND / f"{name}.json").read_text())
     assert note["bound"] in ("time", "cpu", "memory", "crash") and note["bound"] == name.split("-")[0]
     assert {"h5py", "hdf5", "message", "mutations", "base"} <= set(note)
-    err = found_refusals[name]
-    assert err is not None, f"{name} was read"
-    assert str(found_paths[name]) in _one_line(err)
+    got = found_refusals[name]
+    assert got is not None, f"{name} was read"
+    cls, is_statediff_error, msg = got
+    assert is_statediff_error, cls  # the CLI turns it into exit code 2
+    assert msg and "\n" not in msg, f"not one line: {msg!r}"
+    assert str(found_paths[name]) in msg
 
 
 def test_the_root_attribute_loop_is_refused_by_the_guard(tmp_path, monkeypatch) -> None:
