@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from statediff_hooks.vllm import plugin
@@ -18,8 +16,4 @@ def no_patching(monkeypatch):
     monkeypatch.setattr(plugin, "_originals", [])
     monkeypatch.setattr(plugin, "_adapter", [])
     monkeypatch.setattr(plugin, "_note_uncaught_exceptions", lambda: None)
-    saved = {k: v for k, v in os.environ.items() if k.startswith("STATEDIFF_")}
-    yield patched
-    for k in [k for k in os.environ if k.startswith("STATEDIFF_")]:
-        del os.environ[k]
-    os.environ.update(saved)
+    return patched  # what register sets in os.environ: undone by conftest's _environment_restored

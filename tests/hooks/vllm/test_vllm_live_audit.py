@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,26 +57,11 @@ def served(request, tiny_model, tmp_path_factory):
             server.complete(prefix + [7, 8, 9])
             out = server.concurrent(prompts)
             lines = inc.read_text().splitlines() if inc.exists() else []
-            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], settled_metrics(server)))
+            rounds.append((rnd, prompts, out, [json.loads(x) for x in lines], scrape(server.metrics())))
         log = server.tail(10**8)  # the whole log: the runner's line comes first
     finally:
         server.stop()
     return inc, rounds, log
-
-
-def settled_metrics(server: Server, timeout: float = 60.0) -> dict[tuple, float]:
-    """statediff's /metrics samples once two scrapes a second apart agree and hold a count: the
-    worker's audit of a round's last step can still be under way when its responses are back (seen
-    once on a loaded 2-core machine: no statediff sample yet)."""
-    deadline = time.monotonic() + timeout
-    last = scrape(server.metrics())
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = scrape(server.metrics())
-        if now == last and any(k[0] == "statediff:restores_checked_total" for k in now):
-            return now
-        last = now
-    return last
 
 
 def scrape(text: str) -> dict[tuple, float]:
